@@ -1,0 +1,28 @@
+"""ringtrain: data, pipeline and hybrid parallel training of Keras models on MPI clusters.
+
+The public names load lazily, so `ringtrain --help` and the pure schedule code never pay for
+importing TensorFlow.
+"""
+
+from importlib import import_module
+
+_EXPORTS = {
+    "TrainConfig": "ringtrain.config",
+    "Dataset": "ringtrain.data",
+    "load_dataset": "ringtrain.data",
+    "load_digits": "ringtrain.data",
+    "ModelSpec": "ringtrain.models",
+    "mlp": "ringtrain.models",
+    "cnn": "ringtrain.models",
+    "transformer": "ringtrain.models",
+    "load_weights": "ringtrain.weights",
+    "train": "ringtrain.api",
+    "TrainResult": "ringtrain.api",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'ringtrain' has no attribute {name!r}")
+    return getattr(import_module(_EXPORTS[name]), name)

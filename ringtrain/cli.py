@@ -1,0 +1,150 @@
+"""`ringtrain` command line: a thin layer over the Python API and the tools beside it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ringtrain.errors import EXIT_USAGE, UserError, report
+
+PROG = "ringtrain"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad flag costs one line on stderr instead of the usage block."""
+
+    def error(self, message: str):
+        report(self.prog, message, _rank_or_none())
+        sys.exit(EXIT_USAGE)
+
+
+def _rank_or_none() -> int | None:
+    from ringtrain.launch.env import who_am_i
+
+    return who_am_i().rank
+
+
+def _positive_int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    from ringtrain.config import LOOPS, MODELS, OPTIMIZERS, PARTITIONS, SCHEDULE_KINDS, STRATEGIES
+
+    # Choices are checked by config.validate, so every bad value gets the same one-line message.
+    p.add_argument("--strategy", default="data", help=f"one of {', '.join(STRATEGIES)}")
+    p.add_argument("--model", default="mlp", help=f"one of {', '.join(MODELS)}")
+    p.add_argument("--dataset", default="digits", help="digits, synthetic or npz:PATH")
+    p.add_argument("--batch-size", type=_positive_int, default=64, help="the global batch")
+    length = p.add_mutually_exclusive_group()
+    length.add_argument("--epochs", type=_positive_int, help="default 15 when --steps is absent")
+    length.add_argument("--steps", type=_positive_int, help="optimizer updates to run")
+    p.add_argument("--optimizer", default="adam", help=f"one of {', '.join(OPTIMIZERS)}")
+    p.add_argument("--lr", type=float, default=0.003)
+    p.add_argument("--seed", type=_positive_int, default=0)
+    p.add_argument("--loop", default="custom", help=f"one of {', '.join(LOOPS)}")
+    p.add_argument("--accumulate", type=_positive_int, default=1,
+                   help="split each rank's slice into K sequential parts (same update)")
+    p.add_argument("--fp16-allreduce", action="store_true", help="Horovod fp16 compression")
+    p.add_argument("--scale-lr", action="store_true", help="multiply --lr by the replica count")
+    p.add_argument("--warmup-epochs", type=float, default=0.0, help="linear LR warm-up")
+    p.add_argument("--clip-norm", type=float, help="clip by the global gradient norm")
+    p.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULE_KINDS)}")
+    p.add_argument("--microbatches", type=_positive_int, default=None,
+                   help="microbatches per replica batch (pipeline default 4)")
+    p.add_argument("--partition", default="uniform", help=f"one of {', '.join(PARTITIONS)}")
+    p.add_argument("--pp-size", type=_positive_int, help="stages per pipeline (hybrid)")
+    p.add_argument("--comm-timeout", type=float, default=120.0,
+                   help="seconds a stage may stay silent before the job is aborted")
+    p.add_argument("--sync-sends", action="store_true",
+                   help="synchronous sends (Ssend): proves the schedule needs no MPI buffering")
+    p.add_argument("--synthetic-size", type=_positive_int, default=2048)
+    p.add_argument("--synthetic-shape", default="8,8,1", help="e.g. 32,32,3")
+    p.add_argument("--metrics-out", help="rank 0 writes metrics JSON here")
+    p.add_argument("--weights-out", help="rank 0 writes every trainable weight (.npz) here")
+    p.add_argument("--trace", help="Chrome-trace JSON of the pipeline run")
+    p.add_argument("--gantt", help="Gantt chart PNG of the measured pipeline run")
+
+
+def config_from_args(args: argparse.Namespace):
+    from ringtrain.config import TrainConfig
+
+    try:
+        shape = tuple(int(d) for d in args.synthetic_shape.split(","))
+    except ValueError:
+        raise UserError(f"--synthetic-shape {args.synthetic_shape!r} is not like 32,32,3") from None
+    pipelined = args.strategy in ("pipeline", "hybrid")
+    return TrainConfig(
+        strategy=args.strategy, model=args.model, dataset=args.dataset,
+        batch_size=args.batch_size,
+        epochs=args.epochs if args.epochs or args.steps else 15, steps=args.steps,
+        optimizer=args.optimizer, lr=args.lr, seed=args.seed, loop=args.loop,
+        accumulate=args.accumulate, fp16_allreduce=args.fp16_allreduce, scale_lr=args.scale_lr,
+        warmup_epochs=args.warmup_epochs, clip_norm=args.clip_norm, schedule=args.schedule,
+        microbatches=args.microbatches or (4 if pipelined else 1), partition=args.partition,
+        pp_size=args.pp_size, comm_timeout=args.comm_timeout, sync_sends=args.sync_sends,
+        metrics_out=args.metrics_out, weights_out=args.weights_out, trace=args.trace,
+        gantt=args.gantt, synthetic_size=args.synthetic_size, synthetic_shape=shape,
+    )
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from ringtrain.config import validate
+    from ringtrain.launch.env import who_am_i
+
+    cfg = config_from_args(args)
+    validate(cfg, who_am_i().world_size)  # flags first: cheap, before TensorFlow loads
+    from ringtrain.api import train
+    from ringtrain.data import load_dataset
+    from ringtrain.models import BUILTIN
+
+    data = load_dataset(cfg.dataset, cfg.seed, cfg.synthetic_size, cfg.synthetic_shape)
+    train(BUILTIN[cfg.model](data.input_shape, data.n_classes), data, cfg)
+    return 0
+
+
+def run_doctor(args: argparse.Namespace) -> int:
+    from ringtrain.doctor import main
+
+    return main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ringtrain.launch import launch_cli
+    from ringtrain.pipeline import schedule_cli
+
+    parser = OneLineParser(prog=PROG, description="Distributed training of Keras models on MPI.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+    commands = [
+        ("train", "train a model with one strategy (single, data, model, pipeline, hybrid)",
+         add_train_arguments, run_train),
+        ("schedule", "print, check or draw a pipeline schedule (GPipe, 1F1B)",
+         schedule_cli.add_schedule_arguments, schedule_cli.run_schedule_command),
+        ("doctor", "check the MPI/Horovod/TensorFlow stack and a 2-rank allreduce",
+         lambda p: None, run_doctor),
+        ("hostfile", "check or convert hostfiles and Slurm nodelists",
+         launch_cli.add_hostfile_arguments, launch_cli.run_hostfile_command),
+        ("slurm", "render a Slurm batch script from the templates in slurm/",
+         launch_cli.add_slurm_arguments, launch_cli.run_slurm_command),
+    ]
+    for name, purpose, add_arguments, run in commands:
+        p = sub.add_parser(name, help=purpose, description=purpose, prog=f"{PROG} {name}")
+        add_arguments(p)
+        p.set_defaults(run=run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except UserError as exc:
+        report(f"{PROG} {args.command}", str(exc), _rank_or_none())
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

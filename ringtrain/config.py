@@ -1,0 +1,142 @@
+"""The training configuration and its validation.
+
+Validation is pure and depends only on the flags and the world size, so every rank reaches the
+same verdict before the first collective and no rank is left waiting for another.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+
+from ringtrain.errors import UserError
+
+STRATEGIES = ("single", "data", "model", "pipeline", "hybrid")
+MODELS = ("mlp", "cnn", "transformer")
+OPTIMIZERS = ("sgd", "adam")
+LOOPS = ("custom", "fit")
+SCHEDULE_KINDS = ("gpipe", "1f1b")
+PARTITIONS = ("uniform", "params", "time")
+
+
+@dataclass
+class TrainConfig:
+    """Everything that decides what a run computes; identical on every rank."""
+
+    strategy: str = "data"
+    model: str = "mlp"
+    dataset: str = "digits"
+    batch_size: int = 64
+    epochs: int | None = None
+    steps: int | None = None
+    optimizer: str = "adam"
+    lr: float = 0.003
+    seed: int = 0
+    loop: str = "custom"
+    accumulate: int = 1
+    fp16_allreduce: bool = False
+    scale_lr: bool = False
+    warmup_epochs: float = 0.0
+    clip_norm: float | None = None
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    partition: str = "uniform"
+    pp_size: int | None = None
+    comm_timeout: float = 120.0
+    sync_sends: bool = False
+    metrics_out: str | None = None
+    weights_out: str | None = None
+    trace: str | None = None
+    gantt: str | None = None
+    synthetic_size: int = 2048
+    synthetic_shape: tuple[int, ...] = field(default=(8, 8, 1))
+    log_every: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise UserError(f"unknown {name} {value!r}; choose one of {', '.join(allowed)}")
+
+
+def _writable_file(flag: str, path: str | None) -> None:
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UserError(f"{flag} {path}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise UserError(f"{flag} {path}: folder {folder} is not writable")
+
+
+def pipeline_stages(cfg: TrainConfig, world_size: int) -> int:
+    """How many stages one model replica has under this strategy."""
+    if cfg.strategy in ("model", "pipeline"):
+        return world_size
+    if cfg.strategy == "hybrid":
+        return cfg.pp_size or 1
+    return 1
+
+
+def validate(cfg: TrainConfig, world_size: int, n_elements: int | None = None) -> None:
+    """Raise UserError for the first problem; the same flags give the same answer on every rank."""
+    _choice("strategy", cfg.strategy, STRATEGIES)
+    _choice("model", cfg.model, MODELS)
+    _choice("optimizer", cfg.optimizer, OPTIMIZERS)
+    _choice("loop", cfg.loop, LOOPS)
+    _choice("schedule", cfg.schedule, SCHEDULE_KINDS)
+    _choice("partition", cfg.partition, PARTITIONS)
+    if cfg.epochs is not None and cfg.steps is not None:
+        raise UserError("give either --epochs or --steps, not both")
+    if cfg.steps is not None and cfg.steps < 1:
+        raise UserError(f"--steps must be at least 1, got {cfg.steps}")
+    if cfg.epochs is not None and cfg.epochs < 1:
+        raise UserError(f"--epochs must be at least 1, got {cfg.epochs}")
+    if not cfg.lr > 0:
+        raise UserError(f"--lr must be positive, got {cfg.lr}")
+    if cfg.batch_size < 1:
+        raise UserError(f"--batch-size must be at least 1, got {cfg.batch_size}")
+    if cfg.accumulate < 1:
+        raise UserError(f"--accumulate must be at least 1, got {cfg.accumulate}")
+    if cfg.microbatches < 1:
+        raise UserError(f"--microbatches must be at least 1, got {cfg.microbatches}")
+    if cfg.warmup_epochs < 0:
+        raise UserError(f"--warmup-epochs must not be negative, got {cfg.warmup_epochs}")
+    if cfg.clip_norm is not None and not cfg.clip_norm > 0:
+        raise UserError(f"--clip-norm must be positive, got {cfg.clip_norm}")
+    if not cfg.comm_timeout > 0:
+        raise UserError(f"--comm-timeout must be positive, got {cfg.comm_timeout}")
+    if cfg.strategy == "single" and world_size > 1:
+        raise UserError(f"--strategy single runs on one rank, but {world_size} were launched")
+    if cfg.strategy == "hybrid":
+        if cfg.pp_size is None or cfg.pp_size < 1:
+            raise UserError("--strategy hybrid needs --pp-size P (stages per pipeline) of 1 or more")
+        if world_size % cfg.pp_size:
+            raise UserError(f"world size {world_size} is not divisible by --pp-size {cfg.pp_size}")
+    if cfg.strategy == "model" and cfg.microbatches != 1:
+        raise UserError("--strategy model is the naive split with one microbatch; use pipeline")
+    stages = pipeline_stages(cfg, world_size)
+    replicas = world_size // stages
+    if n_elements is not None and stages > n_elements:
+        raise UserError(
+            f"{stages} pipeline stages but model {cfg.model!r} has only {n_elements} layers"
+        )
+    per_replica, rest = divmod(cfg.batch_size, replicas)
+    if rest:
+        raise UserError(
+            f"global batch {cfg.batch_size} is not divisible by {replicas} data-parallel ranks"
+        )
+    if per_replica % cfg.microbatches:
+        raise UserError(
+            f"batch {per_replica} per replica is not divisible by --microbatches {cfg.microbatches}"
+        )
+    if stages == 1 and per_replica % cfg.accumulate:
+        raise UserError(
+            f"batch {per_replica} per rank is not divisible by --accumulate {cfg.accumulate}"
+        )
+    _writable_file("--metrics-out", cfg.metrics_out)
+    _writable_file("--weights-out", cfg.weights_out)
+    _writable_file("--trace", cfg.trace)
+    _writable_file("--gantt", cfg.gantt)

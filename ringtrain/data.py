@@ -1,0 +1,117 @@
+"""Datasets and the global batch order that every strategy shares.
+
+The order of examples is a function of (seed, epoch) only, so step t sees the same global batch
+whatever the strategy or number of ranks; ranks and microbatches take contiguous slices of it.
+"""
+
+from __future__ import annotations
+
+import zipfile
+from dataclasses import dataclass
+
+import numpy as np
+
+from ringtrain.errors import UserError
+
+
+@dataclass
+class Dataset:
+    """Arrays in memory: features float32, labels int32."""
+
+    x: np.ndarray
+    y: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+
+    @property
+    def n_classes(self) -> int:
+        return int(max(self.y.max(), self.y_test.max())) + 1
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.x.shape[1:])
+
+
+def _holdout(x: np.ndarray, y: np.ndarray, test_fraction: float, seed: int) -> Dataset:
+    order = np.random.default_rng(seed).permutation(len(x))
+    n_test = int(round(len(x) * test_fraction))
+    test, train = order[:n_test], order[n_test:]
+    return Dataset(x[train], y[train], x[test], y[test])
+
+
+def load_digits(test_fraction: float = 0.2) -> Dataset:
+    """scikit-learn's 8x8 digits: ships inside the package, so it loads with no network."""
+    from sklearn.datasets import load_digits as sk_digits
+
+    bunch = sk_digits()
+    x = (bunch.images / 16.0).astype(np.float32)[..., None]
+    return _holdout(x, bunch.target.astype(np.int32), test_fraction, seed=1234)
+
+
+def load_synthetic(n: int, shape: tuple[int, ...], n_classes: int, seed: int) -> Dataset:
+    """Gaussian blobs around one random centre per class: learnable, sized by flags, seeded."""
+    rng = np.random.default_rng([seed, 7])
+    centres = rng.normal(size=(n_classes, *shape)).astype(np.float32)
+    y = rng.integers(0, n_classes, size=n).astype(np.int32)
+    x = centres[y] + rng.normal(scale=1.0, size=(n, *shape)).astype(np.float32)
+    return _holdout(x, y, 0.2, seed=seed)
+
+
+def load_npz(path: str) -> Dataset:
+    """A user's own arrays: x and y, and optionally x_test and y_test (else 20% is held out)."""
+    try:
+        with np.load(path, allow_pickle=False) as arrays:
+            found = {k: arrays[k] for k in arrays.files}
+    except FileNotFoundError as exc:
+        raise UserError(f"dataset file {path} does not exist") from exc
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+        raise UserError(f"dataset file {path} is not a readable .npz ({exc})") from exc
+    missing = [k for k in ("x", "y") if k not in found]
+    if missing:
+        raise UserError(f"dataset file {path} lacks array(s) {', '.join(missing)}")
+    x, y = found["x"].astype(np.float32), found["y"]
+    if len(x) != len(y) or y.ndim != 1:
+        raise UserError(f"dataset file {path}: y must be 1-D with one label per row of x")
+    if not np.issubdtype(y.dtype, np.integer) or (len(y) and y.min() < 0):
+        raise UserError(f"dataset file {path}: y must hold non-negative integer class labels")
+    if "x_test" in found and "y_test" in found:
+        return Dataset(x, y.astype(np.int32), found["x_test"].astype(np.float32),
+                       found["y_test"].astype(np.int32))
+    return _holdout(x, y.astype(np.int32), 0.2, seed=1234)
+
+
+def load_dataset(name: str, seed: int, synthetic_size: int = 2048,
+                 synthetic_shape: tuple[int, ...] = (8, 8, 1)) -> Dataset:
+    """Resolve the --dataset flag."""
+    if name == "digits":
+        return load_digits()
+    if name == "synthetic":
+        return load_synthetic(synthetic_size, tuple(synthetic_shape), 10, seed)
+    if name.startswith("npz:"):
+        return load_npz(name[4:])
+    raise UserError(f"unknown dataset {name!r}; choose digits, synthetic or npz:PATH")
+
+
+def epoch_batches(n_examples: int, global_batch: int, seed: int, epoch: int) -> np.ndarray:
+    """Index matrix (steps_per_epoch, global_batch); the last partial batch is dropped."""
+    steps = n_examples // global_batch
+    if steps == 0:
+        raise UserError(f"global batch {global_batch} exceeds the {n_examples} training examples")
+    order = np.random.default_rng([seed, epoch]).permutation(n_examples)
+    return order[: steps * global_batch].reshape(steps, global_batch)
+
+
+def step_plan(n_examples: int, global_batch: int, epochs: int | None,
+              steps: int | None) -> tuple[int, int]:
+    """(total optimizer steps, steps per epoch) for --epochs or --steps."""
+    per_epoch = n_examples // global_batch
+    if per_epoch == 0:
+        raise UserError(f"global batch {global_batch} exceeds the {n_examples} training examples")
+    total = steps if steps is not None else (epochs or 1) * per_epoch
+    return total, per_epoch
+
+
+def shard(indices: np.ndarray, part: int, parts: int) -> np.ndarray:
+    """The part-th contiguous slice of a batch: ranks, replicas and microbatches all use it."""
+    size = len(indices) // parts
+    return indices[part * size : (part + 1) * size]

@@ -1,0 +1,1 @@
+"""Data parallelism: one thin layer over Horovod's ring-allreduce."""

@@ -1,0 +1,139 @@
+"""Data parallelism through `model.fit`: an optimizer wrapper and Keras-3-native callbacks.
+
+Horovod's own Keras callbacks break under Keras 3 (keras.backend.get_value is gone), so these
+replace them: broadcast of the initial state, epoch-metric averaging, LR scaling with warm-up.
+"""
+
+from __future__ import annotations
+
+import time
+
+import keras
+import numpy as np
+
+from ringtrain import log
+from ringtrain.config import TrainConfig
+from ringtrain.data import Dataset, epoch_batches, shard, step_plan
+from ringtrain.dataparallel.collectives import average_gradients, broadcast_state
+from ringtrain.evaluate import sharded_accuracy
+from ringtrain.models import ModelSpec
+from ringtrain.optim import learning_rate, make_optimizer
+from ringtrain.runtime import World
+from ringtrain.weights import named_weights
+
+
+def distributed_optimizer(optimizer: keras.optimizers.Optimizer, hvd, fp16: bool = False):
+    """The same optimizer, but its gradients are ring-allreduce averaged before each update."""
+    base = type(optimizer)
+
+    class Distributed(base):
+        def apply_gradients(self, grads_and_vars):
+            grads, variables = zip(*grads_and_vars)
+            grads = average_gradients(hvd, list(grads), fp16=fp16)
+            return super().apply_gradients(zip(grads, variables))
+
+    Distributed.__name__ = f"Distributed{base.__name__}"
+    return Distributed.from_config(optimizer.get_config())
+
+
+class BroadcastInitialState(keras.callbacks.Callback):
+    """Rank 0's weights and optimizer slots reach every rank before the first update."""
+
+    def __init__(self, hvd):
+        super().__init__()
+        self.hvd, self.done = hvd, False
+
+    def on_train_begin(self, logs=None):
+        if self.done:
+            return
+        optimizer = self.model.optimizer
+        if not optimizer.built:
+            optimizer.build(self.model.trainable_variables)
+        broadcast_state(self.hvd, list(self.model.variables) + list(optimizer.variables))
+        self.done = True
+
+
+class MetricAverage(keras.callbacks.Callback):
+    """Epoch metrics are averaged over ranks, so rank 0 reports the job, not its own shard."""
+
+    def __init__(self, hvd):
+        super().__init__()
+        self.hvd = hvd
+
+    def on_epoch_end(self, epoch, logs=None):
+        for key in sorted(logs or {}):
+            logs[key] = float(self.hvd.allreduce(np.float64(logs[key]), op=self.hvd.Average))
+
+
+class LearningRateWarmup(keras.callbacks.Callback):
+    """Sets the LR before each batch from ringtrain's shared rule (scale and warm-up)."""
+
+    def __init__(self, cfg: TrainConfig, replicas: int, steps_per_epoch: int, first_step: int = 0):
+        super().__init__()
+        self.cfg, self.replicas, self.per_epoch = cfg, replicas, steps_per_epoch
+        self.step = first_step
+
+    def on_train_batch_begin(self, batch, logs=None):
+        lr = learning_rate(self.cfg, self.step / self.per_epoch, self.replicas)
+        self.model.optimizer.learning_rate.assign(lr)
+        self.step += 1
+
+
+class LossRecorder(keras.callbacks.Callback):
+    """Per-step losses averaged over ranks: the series the custom loop reports.
+
+    Keras logs a running mean per epoch; with equal batches, step t's own loss is
+    t * mean_t - (t - 1) * mean_(t-1).
+    """
+
+    def __init__(self, hvd):
+        super().__init__()
+        self.hvd, self.losses, self.previous_mean = hvd, [], 0.0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.previous_mean = 0.0
+
+    def on_train_batch_end(self, batch, logs=None):
+        mean = float(logs["loss"])
+        loss = np.float64((batch + 1) * mean - batch * self.previous_mean)
+        self.previous_mean = mean
+        if self.hvd is not None:
+            loss = self.hvd.allreduce(loss, op=self.hvd.Average)
+        self.losses.append(float(loss))
+
+
+def fit(spec: ModelSpec, data: Dataset, cfg: TrainConfig, world: World):
+    """Train with model.fit on this rank's slice of every global batch, in the shared order."""
+    hvd = world.hvd if world.size > 1 else None
+    elements = spec.build(range(len(spec)), cfg.seed)
+    model = keras.Sequential([keras.Input(data.input_shape), *elements])
+    optimizer = make_optimizer(cfg)
+    if hvd is not None:
+        optimizer = distributed_optimizer(optimizer, hvd, cfg.fp16_allreduce)
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    total, per_epoch = step_plan(len(data.x), cfg.batch_size, cfg.epochs, cfg.steps)
+    recorder = LossRecorder(hvd)
+    callbacks = [recorder, LearningRateWarmup(cfg, world.size, per_epoch)]
+    if hvd is not None:
+        callbacks += [BroadcastInitialState(hvd), MetricAverage(hvd)]
+    local_batch = cfg.batch_size // world.size
+    started = time.perf_counter()
+    for epoch in range(-(-total // per_epoch)):
+        steps = min(per_epoch, total - epoch * per_epoch)
+        order = epoch_batches(len(data.x), cfg.batch_size, cfg.seed, epoch)[:steps]
+        local = np.concatenate([shard(b, world.rank, world.size) for b in order])
+        history = model.fit(data.x[local], data.y[local], batch_size=local_batch, epochs=1,
+                            shuffle=False, verbose=0, callbacks=callbacks)
+        log.info(f"epoch {epoch + 1}: loss {history.history['loss'][0]:.4f}  "
+                 f"train accuracy {history.history['accuracy'][0]:.4f}")
+    seconds = time.perf_counter() - started
+    predict = lambda x: np.argmax(model.predict(x, verbose=0), axis=-1)  # noqa: E731
+    accuracy = sharded_accuracy(predict, data, world.comm, world.rank, world.size)
+    metrics = {
+        "strategy": cfg.strategy, "world_size": world.size, "steps": total, "loop": "fit",
+        "global_batch": cfg.batch_size, "losses": recorder.losses,
+        "final_loss": recorder.losses[-1], "test_accuracy": accuracy,
+        "samples_per_sec": cfg.batch_size * total / seconds, "seconds": seconds,
+        "config": cfg.as_dict(),
+    }
+    return metrics, named_weights(elements) if world.rank == 0 else None

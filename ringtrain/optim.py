@@ -1,0 +1,25 @@
+"""Optimizers and learning-rate rules shared by every strategy."""
+
+from __future__ import annotations
+
+import keras
+
+from ringtrain.config import TrainConfig
+
+
+def make_optimizer(cfg: TrainConfig) -> keras.optimizers.Optimizer:
+    if cfg.optimizer == "sgd":
+        return keras.optimizers.SGD(learning_rate=cfg.lr)
+    return keras.optimizers.Adam(learning_rate=cfg.lr)
+
+
+def learning_rate(cfg: TrainConfig, epoch_progress: float, replicas: int) -> float:
+    """--lr, optionally scaled by the replica count and reached by a linear warm-up.
+
+    Scaling suits users who keep the per-rank batch fixed as they add ranks (Goyal et al., 2017);
+    both options are off by default so runs stay exactly comparable across strategies.
+    """
+    target = cfg.lr * replicas if cfg.scale_lr else cfg.lr
+    if cfg.warmup_epochs > 0 and epoch_progress < cfg.warmup_epochs:
+        return cfg.lr + (target - cfg.lr) * epoch_progress / cfg.warmup_epochs
+    return target

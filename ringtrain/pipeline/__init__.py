@@ -1,0 +1,1 @@
+"""Pipeline schedules as plain data, plus their simulator, drawing and CLI."""

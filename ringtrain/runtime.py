@@ -1,0 +1,70 @@
+"""Process start-up shared by every strategy: MPI, thread pools, Horovod.
+
+Order matters: threads are fixed before TensorFlow runs an op, MPI starts with MULTIPLE thread
+support before Horovod (which then shares that MPI), and Open MPI's busy-polling is tamed when
+ranks fill the node's cores (an idle rank that spins steals the core another rank computes on).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ringtrain import log
+from ringtrain.launch.env import who_am_i
+
+
+@dataclass
+class World:
+    """Who this process is in the job, and the communicators the strategies use."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    comm: object  # mpi4py COMM_WORLD
+    hvd: object | None = None  # horovod.tensorflow, when the strategy averages gradients
+
+
+def default_threads(local_size: int) -> int:
+    """One pool per rank sized to its share of the cores, unless Slurm or the user says otherwise."""
+    for name in ("RINGTRAIN_THREADS", "SLURM_CPUS_PER_TASK"):
+        if os.environ.get(name, "").isdigit():
+            return max(1, int(os.environ[name]))
+    return max(1, (os.cpu_count() or 1) // max(1, local_size))
+
+
+def tune_environment(local_size: int) -> None:
+    """Defaults for a node that ranks fill; every value can be overridden by the environment."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    if local_size >= (os.cpu_count() or 1):
+        os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+    os.environ.setdefault("HOROVOD_CYCLE_TIME", "1")
+
+
+def start(with_horovod: bool, process_sets: list[list[int]] | None = None) -> World:
+    """Initialise MPI (and Horovod on the same communicator) and size TensorFlow's thread pools."""
+    me = who_am_i()
+    tune_environment(me.local_size)
+    import mpi4py
+
+    mpi4py.rc.thread_level = "multiple"
+    from mpi4py import MPI
+
+    import tensorflow as tf
+
+    threads = default_threads(me.local_size)
+    tf.config.threading.set_intra_op_parallelism_threads(threads)
+    tf.config.threading.set_inter_op_parallelism_threads(threads)
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:  # one GPU per rank, chosen by local rank
+        tf.config.set_visible_devices(gpus[me.local_rank % len(gpus)], "GPU")
+    comm = MPI.COMM_WORLD
+    log.set_rank(comm.Get_rank())
+    hvd = None
+    if with_horovod:
+        import horovod.tensorflow as hvd
+
+        sets = [hvd.ProcessSet(ranks) for ranks in process_sets or []]
+        hvd.init(comm=comm, process_sets=sets) if sets else hvd.init(comm=comm)
+    return World(comm.Get_rank(), comm.Get_size(), me.local_rank, me.local_size, comm, hvd)

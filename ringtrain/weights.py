@@ -1,0 +1,42 @@
+"""Weights on disk under stable names (layerNN/<path inside the element>), the same for every
+strategy, so any run's output loads into the single-process model with one call."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+from ringtrain.errors import UserError
+
+
+def named_weights(elements: Sequence) -> dict[str, np.ndarray]:
+    """Trainable weights of built elements, keyed by their stable names, in model order."""
+    return {v.path: np.asarray(v.numpy()) for e in elements for v in e.trainable_weights}
+
+
+def save_npz(path: str, weights: dict[str, np.ndarray]) -> None:
+    """Write atomically: a crash leaves either the old file or the new one, never half of one."""
+    tmp = f"{path}.tmp-{os.getpid()}.npz"
+    np.savez(tmp, **weights)
+    os.replace(tmp, path)
+
+
+def load_weights(elements: Sequence, path: str) -> None:
+    """Load a --weights-out file into built elements (e.g. ModelSpec.build(range(n), seed))."""
+    with np.load(path, allow_pickle=False) as stored:
+        for element in elements:
+            for variable in element.trainable_weights:
+                if variable.path not in stored.files:
+                    raise UserError(f"{path} has no weight {variable.path}")
+                variable.assign(stored[variable.path])
+
+
+def relative_difference(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
+    """Largest absolute difference of any weight over the largest absolute weight of b."""
+    if a.keys() != b.keys():
+        raise ValueError(f"different weight names: {sorted(a.keys() ^ b.keys())}")
+    diff = max(float(np.max(np.abs(a[k] - b[k]))) for k in b)
+    scale = max(float(np.max(np.abs(b[k]))) for k in b)
+    return diff / scale
