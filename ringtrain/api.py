@@ -32,7 +32,7 @@ class TrainResult:
 
 
 def _engine(spec: ModelSpec, data: Dataset, cfg: TrainConfig, world: runtime.World):
-    if cfg.strategy in ("single", "data"):
+    if cfg.strategy in ("single", "data") or (cfg.strategy == "hybrid" and cfg.pp_size == 1):
         from ringtrain.dataparallel.engine import DataParallelEngine
 
         return DataParallelEngine(spec, data, cfg, world), world.size

@@ -108,6 +108,10 @@ def validate(cfg: TrainConfig, world_size: int, n_elements: int | None = None) -
         raise UserError(f"--clip-norm must be positive, got {cfg.clip_norm}")
     if not cfg.comm_timeout > 0:
         raise UserError(f"--comm-timeout must be positive, got {cfg.comm_timeout}")
+    if cfg.loop == "fit" and cfg.strategy not in ("single", "data"):
+        raise UserError(f"--loop fit drives data parallelism only, not --strategy {cfg.strategy}")
+    if cfg.loop == "fit" and cfg.accumulate > 1:
+        raise UserError("--accumulate needs --loop custom (model.fit steps once per batch)")
     if cfg.strategy == "single" and world_size > 1:
         raise UserError(f"--strategy single runs on one rank, but {world_size} were launched")
     if cfg.strategy == "hybrid":

@@ -17,6 +17,11 @@ def sharded_accuracy(predict: Callable[[np.ndarray], np.ndarray], data: Dataset,
     for start in range(0, len(mine), chunk):
         idx = mine[start : start + chunk]
         correct += int(np.sum(predict(data.x_test[idx]) == data.y_test[idx]))
-    counts = np.array([correct, len(mine)], dtype=np.int64)
+    return count_accuracy(comm, correct, len(mine))
+
+
+def count_accuracy(comm, correct: int, total: int) -> float:
+    """Sum (correct, total) over every rank of comm; ranks that scored nothing pass zeros."""
+    counts = np.array([correct, total], dtype=np.int64)
     comm.Allreduce(np.copy(counts), counts)
     return float(counts[0] / max(1, counts[1]))

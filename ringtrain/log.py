@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 import time
 
+from ringtrain.launch.env import who_am_i
+
 _rank = 0
 
 
@@ -31,7 +33,8 @@ class ProgressBar:
     def __init__(self, label: str, total: int, width: int = 30):
         self.label, self.total, self.width = label, total, width
         self.done, self.start = 0, time.perf_counter()
-        self.live = _rank == 0 and sys.stdout.isatty()
+        # Redrawing needs a real terminal of our own: launchers tag and interleave rank output.
+        self.live = _rank == 0 and sys.stdout.isatty() and who_am_i().source == "single"
 
     def update(self, loss: float) -> None:
         self.done += 1

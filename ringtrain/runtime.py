@@ -24,6 +24,7 @@ class World:
     local_size: int
     comm: object  # mpi4py COMM_WORLD
     hvd: object | None = None  # horovod.tensorflow, when the strategy averages gradients
+    process_sets: list | None = None  # Horovod process sets, in the order they were asked for
 
 
 def default_threads(local_size: int) -> int:
@@ -61,10 +62,10 @@ def start(with_horovod: bool, process_sets: list[list[int]] | None = None) -> Wo
         tf.config.set_visible_devices(gpus[me.local_rank % len(gpus)], "GPU")
     comm = MPI.COMM_WORLD
     log.set_rank(comm.Get_rank())
-    hvd = None
+    hvd, sets = None, []
     if with_horovod:
         import horovod.tensorflow as hvd
 
         sets = [hvd.ProcessSet(ranks) for ranks in process_sets or []]
         hvd.init(comm=comm, process_sets=sets) if sets else hvd.init(comm=comm)
-    return World(comm.Get_rank(), comm.Get_size(), me.local_rank, me.local_size, comm, hvd)
+    return World(comm.Get_rank(), comm.Get_size(), me.local_rank, me.local_size, comm, hvd, sets)

@@ -40,3 +40,11 @@ def relative_difference(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> f
     diff = max(float(np.max(np.abs(a[k] - b[k]))) for k in b)
     scale = max(float(np.max(np.abs(b[k]))) for k in b)
     return diff / scale
+
+
+def replica_checksums(comm, variables) -> list[float]:
+    """Every rank's weight checksum, gathered as a buffer, so a test can see all replicas agree."""
+    mine = np.array([sum(float(np.sum(np.abs(v.numpy()), dtype=np.float64)) for v in variables)])
+    every = np.empty(comm.Get_size(), dtype=np.float64)
+    comm.Allgather(mine, every)
+    return every.tolist()

@@ -13,7 +13,7 @@ from ringtrain.dataparallel.collectives import average_gradients, broadcast_stat
 from ringtrain.models import ModelSpec, forward, loss_fn, trainable_variables
 from ringtrain.optim import make_optimizer
 from ringtrain.runtime import World
-from ringtrain.weights import named_weights
+from ringtrain.weights import named_weights, replica_checksums
 
 
 class DataParallelEngine:
@@ -69,11 +69,3 @@ class DataParallelEngine:
 
     def extra_metrics(self) -> dict:
         return {"replica_checksums": replica_checksums(self.world.comm, self.variables)}
-
-
-def replica_checksums(comm, variables) -> list[float]:
-    """Every rank's weight checksum, gathered as a buffer, so a test can see all replicas agree."""
-    mine = np.array([sum(float(np.sum(np.abs(v.numpy()), dtype=np.float64)) for v in variables)])
-    every = np.empty(comm.Get_size(), dtype=np.float64)
-    comm.Allgather(mine, every)
-    return every.tolist()

@@ -19,7 +19,7 @@ from ringtrain.evaluate import sharded_accuracy
 from ringtrain.models import ModelSpec
 from ringtrain.optim import learning_rate, make_optimizer
 from ringtrain.runtime import World
-from ringtrain.weights import named_weights
+from ringtrain.weights import named_weights, replica_checksums
 
 
 def distributed_optimizer(optimizer: keras.optimizers.Optimizer, hvd, fp16: bool = False):
@@ -135,5 +135,6 @@ def fit(spec: ModelSpec, data: Dataset, cfg: TrainConfig, world: World):
         "final_loss": recorder.losses[-1], "test_accuracy": accuracy,
         "samples_per_sec": cfg.batch_size * total / seconds, "seconds": seconds,
         "config": cfg.as_dict(),
+        "replica_checksums": replica_checksums(world.comm, model.trainable_variables),
     }
     return metrics, named_weights(elements) if world.rank == 0 else None

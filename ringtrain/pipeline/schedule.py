@@ -35,6 +35,11 @@ class Action:
         return f"{_SHORT[self.op]}{self.mb}"
 
     @property
+    def code(self) -> str:
+        """The op's short name (F, B, SA, RA, SG, RG), as traces label it."""
+        return _SHORT[self.op]
+
+    @property
     def is_compute(self) -> bool:
         return self.op in ("F", "B")
 

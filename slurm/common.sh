@@ -1,0 +1,80 @@
+# Shared by the four ringtrain Slurm templates: sourced by them, never run on its own.
+#
+# It prepares one training step and runs it so that a time limit or a preemption ends in a
+# checkpoint and a requeue instead of lost work. The contract with `ringtrain train`:
+#   - on SIGUSR1 or SIGTERM every rank writes a checkpoint and exits 75 ("checkpointed, not
+#     finished", EX_TEMPFAIL in ringtrain/errors.py); a second signal changes nothing;
+#   - `--resume` continues from the newest checkpoint in --checkpoint-dir, and is a no-op when
+#     there is none, so the first run and every requeued run use the same command.
+#
+# Settings (environment variables, with their defaults):
+#   CKPT_DIR        checkpoint folder                       [ckpt-$SLURM_JOB_NAME]
+#   RINGTRAIN_VENV  virtual environment to activate         [$RINGTRAIN_HOME/.venv if present]
+#   RINGTRAIN_HOME  the ringtrain checkout (set by the template before sourcing this file)
+
+readonly RINGTRAIN_CHECKPOINTED=75
+CKPT_DIR=${CKPT_DIR:-ckpt-${SLURM_JOB_NAME:-ringtrain}}
+
+ringtrain_die() {
+  echo "ringtrain job: error: $*" >&2
+  exit 1
+}
+
+# The environment every rank inherits: the venv that provides `ringtrain`, and one TensorFlow
+# thread pool per task sized to the CPUs Slurm gave that task. Without the sizes each rank
+# would size its pools to the whole node, and N ranks would fight over the same cores.
+ringtrain_prepare() {
+  local venv=${RINGTRAIN_VENV:-$RINGTRAIN_HOME/.venv}
+  if [[ -f $venv/bin/activate ]]; then
+    source "$venv/bin/activate"
+  elif [[ -n ${RINGTRAIN_VENV:-} ]]; then
+    ringtrain_die "RINGTRAIN_VENV=$RINGTRAIN_VENV has no bin/activate"
+  fi
+  command -v ringtrain >/dev/null || ringtrain_die "no ringtrain command: set RINGTRAIN_VENV"
+  local cpus=${SLURM_CPUS_PER_TASK:-1}
+  export OMP_NUM_THREADS=$cpus TF_NUM_INTRAOP_THREADS=$cpus TF_NUM_INTEROP_THREADS=$cpus
+}
+
+# How ranks start. `srun --mpi=pmix` is the first choice: Debian's Open MPI speaks PMIx to
+# Slurm, but was built without PMI-2 (`srun --mpi=pmi2` fails with "OMPI was not built with
+# SLURM's PMI support"). Where `srun --mpi=list` offers no pmix, mpirun inside the allocation
+# is the fallback: Open MPI reads the nodes and tasks per node from Slurm itself.
+# srun gets --cpus-per-task again because Slurm 22.05 steps no longer inherit it from sbatch.
+ringtrain_launcher() {
+  if srun --mpi=list 2>&1 | grep -qw pmix; then
+    launcher=(srun --mpi=pmix --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}")
+  else
+    launcher=(mpirun --bind-to none -x OMP_NUM_THREADS -x TF_NUM_INTRAOP_THREADS
+      -x TF_NUM_INTEROP_THREADS)
+  fi
+}
+
+# Forward a signal to the running step; srun and mpirun pass USR1 and TERM on to every rank.
+ringtrain_forward() {
+  [[ -n ${ringtrain_step_pid:-} ]] && kill -s "$1" "$ringtrain_step_pid" 2>/dev/null
+}
+
+# Run "$@" as the training step and return its exit code; requeue the job when it checkpointed.
+# The step runs in the background because bash runs a trap only between commands: a
+# foreground step would hold back the USR1 that Slurm sends 60 s before the time limit
+# (#SBATCH --signal=B:USR1@60 signals only this batch shell) until it no longer mattered.
+ringtrain_step() {
+  local launcher
+  ringtrain_launcher
+  trap 'ringtrain_forward USR1' USR1
+  trap 'ringtrain_forward TERM' TERM
+  "${launcher[@]}" "$@" &
+  ringtrain_step_pid=$!
+  # A trapped signal interrupts `wait`, so wait until the step is really gone, then ask bash
+  # (which keeps the status of its finished children) for its exit code.
+  while kill -0 "$ringtrain_step_pid" 2>/dev/null; do
+    wait "$ringtrain_step_pid"
+  done
+  wait "$ringtrain_step_pid"
+  local status=$?
+  if ((status == RINGTRAIN_CHECKPOINTED)); then
+    echo "ringtrain job: step checkpointed before the end; requeueing job $SLURM_JOB_ID" >&2
+    scontrol requeue "$SLURM_JOB_ID"
+  fi
+  return "$status"
+}
