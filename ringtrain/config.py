@@ -7,6 +7,7 @@ same verdict before the first collective and no rank is left waiting for another
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import asdict, dataclass, field
 
 from ringtrain.errors import UserError
@@ -67,8 +68,11 @@ def _writable_file(flag: str, path: str | None) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise UserError(f"{flag} {path}: folder {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise UserError(f"{flag} {path}: folder {folder} is not writable")
+    try:  # a real probe: os.access says yes to root even where writes fail
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError:
+        raise UserError(f"{flag} {path}: folder {folder} is not writable") from None
 
 
 def pipeline_stages(cfg: TrainConfig, world_size: int) -> int:

@@ -59,10 +59,6 @@ def _local_checks(problems: list[str]) -> None:
 
 def _two_rank_check(problems: list[str]) -> None:
     mpirun = shutil.which("mpirun")
-    if mpirun is None:
-        problems.append("mpirun is not on PATH: install openmpi-bin (Debian/Ubuntu) or load your "
-                        "site's MPI module")
-        return
     cmd = [mpirun, "-np", "2", "--oversubscribe", sys.executable, "-m", "ringtrain.doctor",
            "--allreduce-rank"]
     env = {**os.environ, **ROOT_OK, "TF_CPP_MIN_LOG_LEVEL": "3"}
@@ -106,8 +102,12 @@ def allreduce_rank() -> None:
 
 def main(args: argparse.Namespace | None = None) -> int:
     problems: list[str] = []
-    _local_checks(problems)
-    _two_rank_check(problems)
+    if shutil.which("mpirun") is None:  # even a single MPI process needs Open MPI's runtime
+        problems.append("mpirun is not on PATH: install openmpi-bin (Debian/Ubuntu) or load your "
+                        "site's MPI module; the other checks need it")
+    else:
+        _local_checks(problems)
+        _two_rank_check(problems)
     if problems:
         for problem in problems:
             print(f"problem: {problem}", file=sys.stderr)

@@ -3,7 +3,8 @@
 # It prepares one training step and runs it so that a time limit or a preemption ends in a
 # checkpoint and a requeue instead of lost work. The contract with `ringtrain train`:
 #   - on SIGUSR1 or SIGTERM every rank writes a checkpoint and exits 75 ("checkpointed, not
-#     finished", EX_TEMPFAIL in ringtrain/errors.py); a second signal changes nothing;
+#     finished", EX_TEMPFAIL in ringtrain/errors.py); a second signal changes nothing, and no
+#     rank exits before all have written theirs (mpirun kills the rest when one exits non-zero);
 #   - `--resume` continues from the newest checkpoint in --checkpoint-dir, and is a no-op when
 #     there is none, so the first run and every requeued run use the same command.
 #

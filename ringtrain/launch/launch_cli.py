@@ -103,7 +103,7 @@ def _convert(args: argparse.Namespace) -> int:
     else:
         spec = _given_or_env(args.tasks_per_node, "SLURM_TASKS_PER_NODE", "--tasks-per-node")
         slots = expand_tasks_per_node(spec, len(hosts))
-    sys.stdout.write(_FORMATS[args.format](list(zip(hosts, slots))))
+    sys.stdout.write(_FORMATS[args.format](list(zip(hosts, slots, strict=True))))
     return 0
 
 

@@ -109,10 +109,11 @@ def time_limit_seconds(text: str) -> int:
     has_days = match["days"] is not None
     units = _TIME_UNITS[(has_days, len(fields))]
     values = ([int(match["days"])] if has_days else []) + fields
-    for unit, value in list(zip(units, values))[1:]:
+    parts = list(zip(units, values, strict=True))
+    for unit, value in parts[1:]:
         if value >= _BELOW[unit]:
             raise ValueError(f"time {text!r}: {unit} must be below {_BELOW[unit]}")
-    seconds = sum(_SECONDS_PER[unit] * value for unit, value in zip(units, values))
+    seconds = sum(_SECONDS_PER[unit] * value for unit, value in parts)
     if not 0 < seconds <= MAX_TIME_SECONDS:
         raise ValueError(f"time {text!r}: must be more than zero and at most 365 days")
     return seconds

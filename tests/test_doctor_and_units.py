@@ -1,0 +1,51 @@
+"""`ringtrain doctor`, and the pure pieces: partitioner and configuration checks."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import BIN, ENV, ROOT, run
+
+from ringtrain.config import TrainConfig, validate
+from ringtrain.errors import UserError
+from ringtrain.pipeline import partition
+
+
+def test_doctor_passes_on_this_machine():
+    done = run([str(BIN / "ringtrain"), "doctor"], timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+    for needle in ("tensorflow", "mpi4py", "MPI library", "horovod", "allreduce over 2 ranks"):
+        assert needle in done.stdout
+
+
+def test_doctor_without_mpirun_on_path_names_the_problem_and_the_remedy():
+    import subprocess
+
+    env = {**ENV, "PATH": str(BIN)}  # the venv only: no mpirun
+    done = subprocess.run([str(BIN / "ringtrain"), "doctor"], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=300)
+    assert done.returncode != 0
+    assert "problem: mpirun is not on PATH: install openmpi-bin" in done.stderr
+
+
+def test_uniform_partition_splits_by_count():
+    assert partition.uniform(4, 2) == [(0, 2), (2, 4)]
+    assert partition.uniform(5, 3) == [(0, 2), (2, 4), (4, 5)]
+
+
+def test_balanced_partition_minimises_the_costliest_stage():
+    assert partition.balanced([1, 1, 1, 10], 2) == [(0, 3), (3, 4)]
+    assert partition.balanced([8, 1, 1, 1, 1], 2) == [(0, 1), (1, 5)]
+    assert partition.balanced([1, 2, 3], 3) == [(0, 1), (1, 2), (2, 3)]
+
+
+@pytest.mark.parametrize("changes,world,needle", [
+    ({"strategy": "single"}, 2, "runs on one rank"),
+    ({"strategy": "pipeline", "microbatches": 3}, 2, "not divisible by --microbatches 3"),
+    ({"strategy": "hybrid", "pp_size": 3}, 4, "not divisible by --pp-size 3"),
+    ({"strategy": "model", "microbatches": 2}, 2, "one microbatch"),
+    ({"clip_norm": -1.0}, 1, "--clip-norm must be positive"),
+])
+def test_validation_names_the_problem(changes, world, needle):
+    cfg = TrainConfig(batch_size=64, **changes)
+    with pytest.raises(UserError, match=needle):
+        validate(cfg, world, n_elements=4)
