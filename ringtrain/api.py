@@ -49,8 +49,10 @@ def train(spec: ModelSpec, data: Dataset, cfg: TrainConfig) -> TrainResult:
         with_horovod=cfg.strategy in ("data", "hybrid"),
         process_sets=_hybrid_process_sets(cfg),
     )
-    log.info(f"ringtrain: strategy {cfg.strategy}, {world.size} rank(s), model of {len(spec)} "
-             f"elements, global batch {cfg.batch_size}")
+    log.info(
+        f"ringtrain: strategy {cfg.strategy}, {world.size} rank(s), model of {len(spec)} "
+        f"elements, global batch {cfg.batch_size}"
+    )
     if cfg.loop == "fit" and cfg.strategy in ("single", "data"):
         from ringtrain.dataparallel.keras_fit import fit
 
@@ -65,8 +67,10 @@ def train(spec: ModelSpec, data: Dataset, cfg: TrainConfig) -> TrainResult:
         if cfg.metrics_out:
             with open(cfg.metrics_out, "w") as out:
                 json.dump(metrics, out, indent=1)
-        log.info(f"final loss {metrics['final_loss']:.4f}, held-out accuracy "
-                 f"{metrics['test_accuracy']:.4f}, {metrics['samples_per_sec']:.0f} samples/s")
+        log.info(
+            f"final loss {metrics['final_loss']:.4f}, held-out accuracy "
+            f"{metrics['test_accuracy']:.4f}, {metrics['samples_per_sec']:.0f} samples/s"
+        )
     return TrainResult(metrics, weights)
 
 

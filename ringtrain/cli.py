@@ -47,21 +47,36 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=0.003)
     p.add_argument("--seed", type=_positive_int, default=0)
     p.add_argument("--loop", default="custom", help=f"one of {', '.join(LOOPS)}")
-    p.add_argument("--accumulate", type=_positive_int, default=1,
-                   help="split each rank's slice into K sequential parts (same update)")
+    p.add_argument(
+        "--accumulate",
+        type=_positive_int,
+        default=1,
+        help="split each rank's slice into K sequential parts (same update)",
+    )
     p.add_argument("--fp16-allreduce", action="store_true", help="Horovod fp16 compression")
     p.add_argument("--scale-lr", action="store_true", help="multiply --lr by the replica count")
     p.add_argument("--warmup-epochs", type=float, default=0.0, help="linear LR warm-up")
     p.add_argument("--clip-norm", type=float, help="clip by the global gradient norm")
     p.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULE_KINDS)}")
-    p.add_argument("--microbatches", type=_positive_int, default=None,
-                   help="microbatches per replica batch (pipeline default 4)")
+    p.add_argument(
+        "--microbatches",
+        type=_positive_int,
+        default=None,
+        help="microbatches per replica batch (pipeline default 4)",
+    )
     p.add_argument("--partition", default="uniform", help=f"one of {', '.join(PARTITIONS)}")
     p.add_argument("--pp-size", type=_positive_int, help="stages per pipeline (hybrid)")
-    p.add_argument("--comm-timeout", type=float, default=120.0,
-                   help="seconds a stage may stay silent before the job is aborted")
-    p.add_argument("--sync-sends", action="store_true",
-                   help="synchronous sends (Ssend): proves the schedule needs no MPI buffering")
+    p.add_argument(
+        "--comm-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a stage may stay silent before the job is aborted",
+    )
+    p.add_argument(
+        "--sync-sends",
+        action="store_true",
+        help="synchronous sends (Ssend): proves the schedule needs no MPI buffering",
+    )
     p.add_argument("--synthetic-size", type=_positive_int, default=2048)
     p.add_argument("--synthetic-shape", default="8,8,1", help="e.g. 32,32,3")
     p.add_argument("--metrics-out", help="rank 0 writes metrics JSON here")
@@ -79,17 +94,33 @@ def config_from_args(args: argparse.Namespace):
         raise UserError(f"--synthetic-shape {args.synthetic_shape!r} is not like 32,32,3") from None
     pipelined = args.strategy in ("pipeline", "hybrid")
     return TrainConfig(
-        strategy=args.strategy, model=args.model, dataset=args.dataset,
+        strategy=args.strategy,
+        model=args.model,
+        dataset=args.dataset,
         batch_size=args.batch_size,
         epochs=15 if args.epochs is None and args.steps is None else args.epochs,
         steps=args.steps,
-        optimizer=args.optimizer, lr=args.lr, seed=args.seed, loop=args.loop,
-        accumulate=args.accumulate, fp16_allreduce=args.fp16_allreduce, scale_lr=args.scale_lr,
-        warmup_epochs=args.warmup_epochs, clip_norm=args.clip_norm, schedule=args.schedule,
-        microbatches=(4 if pipelined else 1) if args.microbatches is None else args.microbatches, partition=args.partition,
-        pp_size=args.pp_size, comm_timeout=args.comm_timeout, sync_sends=args.sync_sends,
-        metrics_out=args.metrics_out, weights_out=args.weights_out, trace=args.trace,
-        gantt=args.gantt, synthetic_size=args.synthetic_size, synthetic_shape=shape,
+        optimizer=args.optimizer,
+        lr=args.lr,
+        seed=args.seed,
+        loop=args.loop,
+        accumulate=args.accumulate,
+        fp16_allreduce=args.fp16_allreduce,
+        scale_lr=args.scale_lr,
+        warmup_epochs=args.warmup_epochs,
+        clip_norm=args.clip_norm,
+        schedule=args.schedule,
+        microbatches=(4 if pipelined else 1) if args.microbatches is None else args.microbatches,
+        partition=args.partition,
+        pp_size=args.pp_size,
+        comm_timeout=args.comm_timeout,
+        sync_sends=args.sync_sends,
+        metrics_out=args.metrics_out,
+        weights_out=args.weights_out,
+        trace=args.trace,
+        gantt=args.gantt,
+        synthetic_size=args.synthetic_size,
+        synthetic_shape=shape,
     )
 
 
@@ -115,22 +146,50 @@ def run_doctor(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ringtrain.bench import pipeline_bench
+    from ringtrain.bench import pipeline_bench
     from ringtrain.launch import launch_cli
     from ringtrain.pipeline import schedule_cli
 
     parser = OneLineParser(prog=PROG, description="Distributed training of Keras models on MPI.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     commands = [
-        ("train", "train a model with one strategy (single, data, model, pipeline, hybrid)",
-         add_train_arguments, run_train),
-        ("schedule", "print, check or draw a pipeline schedule (GPipe, 1F1B)",
-         schedule_cli.add_schedule_arguments, schedule_cli.run_schedule_command),
-        ("doctor", "check the MPI/Horovod/TensorFlow stack and a 2-rank allreduce",
-         lambda p: None, run_doctor),
-        ("hostfile", "check or convert hostfiles and Slurm nodelists",
-         launch_cli.add_hostfile_arguments, launch_cli.run_hostfile_command),
-        ("slurm", "render a Slurm batch script from the templates in slurm/",
-         launch_cli.add_slurm_arguments, launch_cli.run_slurm_command),
+        (
+            "train",
+            "train a model with one strategy (single, data, model, pipeline, hybrid)",
+            add_train_arguments,
+            run_train,
+        ),
+        (
+            "schedule",
+            "print, check or draw a pipeline schedule (GPipe, 1F1B)",
+            schedule_cli.add_schedule_arguments,
+            schedule_cli.run_schedule_command,
+        ),
+        (
+            "doctor",
+            "check the MPI/Horovod/TensorFlow stack and a 2-rank allreduce",
+            lambda p: None,
+            run_doctor,
+        ),
+        (
+            "hostfile",
+            "check or convert hostfiles and Slurm nodelists",
+            launch_cli.add_hostfile_arguments,
+            launch_cli.run_hostfile_command,
+        ),
+        (
+            "slurm",
+            "render a Slurm batch script from the templates in slurm/",
+            launch_cli.add_slurm_arguments,
+            launch_cli.run_slurm_command,
+        ),
+        (
+            "bench",
+            "measure pipeline bubble and speed-up (JSON and PNG in benchmarks/results)",
+            pipeline_bench.add_bench_arguments,
+            pipeline_bench.run_bench_command,
+        ),
     ]
     for name, purpose, add_arguments, run in commands:
         p = sub.add_parser(name, help=purpose, description=purpose, prog=f"{PROG} {name}")

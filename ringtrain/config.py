@@ -120,7 +120,9 @@ def validate(cfg: TrainConfig, world_size: int, n_elements: int | None = None) -
         raise UserError(f"--strategy single runs on one rank, but {world_size} were launched")
     if cfg.strategy == "hybrid":
         if cfg.pp_size is None or cfg.pp_size < 1:
-            raise UserError("--strategy hybrid needs --pp-size P (stages per pipeline) of 1 or more")
+            raise UserError(
+                "--strategy hybrid needs --pp-size P (stages per pipeline) of 1 or more"
+            )
         if world_size % cfg.pp_size:
             raise UserError(f"world size {world_size} is not divisible by --pp-size {cfg.pp_size}")
     if cfg.strategy == "model" and cfg.microbatches != 1:

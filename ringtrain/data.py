@@ -75,13 +75,18 @@ def load_npz(path: str) -> Dataset:
     if not np.issubdtype(y.dtype, np.integer) or (len(y) and y.min() < 0):
         raise UserError(f"dataset file {path}: y must hold non-negative integer class labels")
     if "x_test" in found and "y_test" in found:
-        return Dataset(x, y.astype(np.int32), found["x_test"].astype(np.float32),
-                       found["y_test"].astype(np.int32))
+        return Dataset(
+            x,
+            y.astype(np.int32),
+            found["x_test"].astype(np.float32),
+            found["y_test"].astype(np.int32),
+        )
     return _holdout(x, y.astype(np.int32), 0.2, seed=1234)
 
 
-def load_dataset(name: str, seed: int, synthetic_size: int = 2048,
-                 synthetic_shape: tuple[int, ...] = (8, 8, 1)) -> Dataset:
+def load_dataset(
+    name: str, seed: int, synthetic_size: int = 2048, synthetic_shape: tuple[int, ...] = (8, 8, 1)
+) -> Dataset:
     """Resolve the --dataset flag."""
     if name == "digits":
         return load_digits()
@@ -101,8 +106,9 @@ def epoch_batches(n_examples: int, global_batch: int, seed: int, epoch: int) -> 
     return order[: steps * global_batch].reshape(steps, global_batch)
 
 
-def step_plan(n_examples: int, global_batch: int, epochs: int | None,
-              steps: int | None) -> tuple[int, int]:
+def step_plan(
+    n_examples: int, global_batch: int, epochs: int | None, steps: int | None
+) -> tuple[int, int]:
     """(total optimizer steps, steps per epoch) for --epochs or --steps."""
     per_epoch = n_examples // global_batch
     if per_epoch == 0:

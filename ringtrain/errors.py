@@ -14,6 +14,6 @@ class UserError(Exception):
 
 
 def report(prog: str, message: str, rank: int | None = None) -> None:
-    """Print one line to stderr; ranks other than 0 say who they are, so interleaved logs stay readable."""
+    """One line on stderr; other ranks than 0 say who they are, so mixed logs stay readable."""
     prefix = f"[rank {rank}] " if rank else ""
     print(f"{prefix}{prog}: error: {message}", file=sys.stderr, flush=True)

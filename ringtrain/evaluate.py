@@ -9,8 +9,14 @@ import numpy as np
 from ringtrain.data import Dataset
 
 
-def sharded_accuracy(predict: Callable[[np.ndarray], np.ndarray], data: Dataset, comm,
-                     part: int, parts: int, chunk: int = 512) -> float:
+def sharded_accuracy(
+    predict: Callable[[np.ndarray], np.ndarray],
+    data: Dataset,
+    comm,
+    part: int,
+    parts: int,
+    chunk: int = 512,
+) -> float:
     """predict maps a feature batch to class ids; comm must include every part exactly once."""
     mine = np.arange(len(data.x_test))[part::parts]
     correct = 0

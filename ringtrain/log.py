@@ -41,8 +41,11 @@ class ProgressBar:
         if self.live:
             filled = self.width * self.done // self.total
             bar = "#" * filled + "." * (self.width - filled)
-            print(f"\r{self.label} [{bar}] {self.done}/{self.total} loss {loss:.4f}", end="",
-                  flush=True)
+            print(
+                f"\r{self.label} [{bar}] {self.done}/{self.total} loss {loss:.4f}",
+                end="",
+                flush=True,
+            )
 
     def close(self, summary: str) -> None:
         if self.live:

@@ -129,10 +129,19 @@ class EncoderBlock(keras.layers.Layer):
         self.norm1.build(input_shape)
         self.norm2.build(input_shape)
         weight = self.add_weight
-        self.wq, self.q_bias = weight(name="wq", shape=(dim, dim)), weight(name="q_bias", shape=(dim,))
+        self.wq, self.q_bias = (
+            weight(name="wq", shape=(dim, dim)),
+            weight(name="q_bias", shape=(dim,)),
+        )
         self.wk = weight(name="wk", shape=(dim, dim))
-        self.wv, self.v_bias = weight(name="wv", shape=(dim, dim)), weight(name="v_bias", shape=(dim,))
-        self.wo, self.o_bias = weight(name="wo", shape=(dim, dim)), weight(name="o_bias", shape=(dim,))
+        self.wv, self.v_bias = (
+            weight(name="wv", shape=(dim, dim)),
+            weight(name="v_bias", shape=(dim,)),
+        )
+        self.wo, self.o_bias = (
+            weight(name="wo", shape=(dim, dim)),
+            weight(name="o_bias", shape=(dim,)),
+        )
         self.w1 = weight(name="ffn1_kernel", shape=(dim, self.hidden))
         self.b1 = weight(name="ffn1_bias", shape=(self.hidden,))
         self.w2 = weight(name="ffn2_kernel", shape=(self.hidden, dim))
@@ -177,39 +186,59 @@ class MeanPoolDense(keras.layers.Layer):
         return (input_shape[0], self.units)
 
 
-def _named(factories: list[Callable[[str], keras.layers.Layer]]) -> list[Callable[[], keras.layers.Layer]]:
+def _named(
+    factories: list[Callable[[str], keras.layers.Layer]],
+) -> list[Callable[[], keras.layers.Layer]]:
     return [lambda f=f, i=i: f(element_name(i)) for i, f in enumerate(factories)]
 
 
 def mlp(input_shape: tuple[int, ...], n_classes: int) -> ModelSpec:
     """Four dense elements: small enough to test on 4 stages, deep enough to split."""
-    return ModelSpec(input_shape, _named([
-        lambda n: FlatDense(128, "relu", name=n),
-        lambda n: keras.layers.Dense(128, "relu", name=n),
-        lambda n: keras.layers.Dense(64, "relu", name=n),
-        lambda n: keras.layers.Dense(n_classes, name=n),
-    ]))
+    return ModelSpec(
+        input_shape,
+        _named(
+            [
+                lambda n: FlatDense(128, "relu", name=n),
+                lambda n: keras.layers.Dense(128, "relu", name=n),
+                lambda n: keras.layers.Dense(64, "relu", name=n),
+                lambda n: keras.layers.Dense(n_classes, name=n),
+            ]
+        ),
+    )
 
 
 def cnn(input_shape: tuple[int, ...], n_classes: int) -> ModelSpec:
     """Two convolutions, then two dense elements."""
-    return ModelSpec(input_shape, _named([
-        lambda n: keras.layers.Conv2D(16, 3, padding="same", activation="relu", name=n),
-        lambda n: keras.layers.Conv2D(32, 3, strides=2, padding="same", activation="relu", name=n),
-        lambda n: FlatDense(64, "relu", name=n),
-        lambda n: keras.layers.Dense(n_classes, name=n),
-    ]))
+    return ModelSpec(
+        input_shape,
+        _named(
+            [
+                lambda n: keras.layers.Conv2D(16, 3, padding="same", activation="relu", name=n),
+                lambda n: keras.layers.Conv2D(
+                    32, 3, strides=2, padding="same", activation="relu", name=n
+                ),
+                lambda n: FlatDense(64, "relu", name=n),
+                lambda n: keras.layers.Dense(n_classes, name=n),
+            ]
+        ),
+    )
 
 
-def transformer(input_shape: tuple[int, ...], n_classes: int, dim: int = 32,
-                blocks: int = 2) -> ModelSpec:
+def transformer(
+    input_shape: tuple[int, ...], n_classes: int, dim: int = 32, blocks: int = 2
+) -> ModelSpec:
     """Image rows as tokens, a few encoder blocks, a mean-pool classifier."""
     blocks_list = [lambda n: EncoderBlock(heads=4, hidden=2 * dim, name=n)] * blocks
-    return ModelSpec(input_shape, _named([
-        lambda n: TokenEmbedding(dim, name=n),
-        *blocks_list,
-        lambda n: MeanPoolDense(n_classes, name=n),
-    ]))
+    return ModelSpec(
+        input_shape,
+        _named(
+            [
+                lambda n: TokenEmbedding(dim, name=n),
+                *blocks_list,
+                lambda n: MeanPoolDense(n_classes, name=n),
+            ]
+        ),
+    )
 
 
 BUILTIN = {"mlp": mlp, "cnn": cnn, "transformer": transformer}
@@ -229,5 +258,7 @@ def trainable_variables(elements: Sequence[keras.layers.Layer]) -> list:
 def loss_fn(labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
     """Mean cross-entropy over the examples given."""
     return tf.reduce_mean(
-        tf.nn.sparse_softmax_cross_entropy_with_logits(labels=tf.cast(labels, tf.int32), logits=logits)
+        tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=tf.cast(labels, tf.int32), logits=logits
+        )
     )

@@ -28,7 +28,7 @@ class World:
 
 
 def default_threads(local_size: int) -> int:
-    """One pool per rank sized to its share of the cores, unless Slurm or the user says otherwise."""
+    """One pool per rank, sized to its share of the cores, unless Slurm or the user says."""
     for name in ("RINGTRAIN_THREADS", "SLURM_CPUS_PER_TASK"):
         if os.environ.get(name, "").isdigit():
             return max(1, int(os.environ[name]))
@@ -50,9 +50,8 @@ def start(with_horovod: bool, process_sets: list[list[int]] | None = None) -> Wo
     import mpi4py
 
     mpi4py.rc.thread_level = "multiple"
-    from mpi4py import MPI
-
     import tensorflow as tf
+    from mpi4py import MPI
 
     threads = default_threads(me.local_size)
     tf.config.threading.set_intra_op_parallelism_threads(threads)

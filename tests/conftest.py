@@ -13,15 +13,21 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-ENV = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-       "TF_CPP_MIN_LOG_LEVEL": "3", "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
+ENV = {
+    **os.environ,
+    "OMPI_ALLOW_RUN_AS_ROOT": "1",
+    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+    "TF_CPP_MIN_LOG_LEVEL": "3",
+    "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
+}
 MPIRUN = ["mpirun", "--oversubscribe", "-np"]
 
 
 def run(cmd: list[str], timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
     """Run a command; a hang fails the test by the timeout instead of stalling CI."""
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV,
-                          cwd=ROOT, **kwargs)
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, env=ENV, cwd=ROOT, **kwargs
+    )
 
 
 def ringtrain(*args: str, ranks: int | None = None, timeout: float = 300):
@@ -31,8 +37,10 @@ def ringtrain(*args: str, ranks: int | None = None, timeout: float = 300):
 
 def mpi_checks(suite: str, ranks: int) -> list[dict]:
     """One mpirun that checks many configurations inside the ranks (tests/mpi_checks.py)."""
-    done = run([*MPIRUN, str(ranks), sys.executable, str(ROOT / "tests" / "mpi_checks.py"),
-                suite], timeout=900)
+    done = run(
+        [*MPIRUN, str(ranks), sys.executable, str(ROOT / "tests" / "mpi_checks.py"), suite],
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
@@ -60,5 +68,17 @@ def single_reference(tmp_path_factory) -> dict:
     return load_npz(out)
 
 
-REFERENCE_FLAGS = ["--model", "mlp", "--optimizer", "sgd", "--lr", "0.05", "--steps", "5",
-                   "--batch-size", "48", "--seed", "1"]
+REFERENCE_FLAGS = [
+    "--model",
+    "mlp",
+    "--optimizer",
+    "sgd",
+    "--lr",
+    "0.05",
+    "--steps",
+    "5",
+    "--batch-size",
+    "48",
+    "--seed",
+    "1",
+]

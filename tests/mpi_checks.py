@@ -29,8 +29,9 @@ def spec_of(cfg: TrainConfig):
 def single_process(cfg: TrainConfig, world: runtime.World) -> tuple[dict, list[float]]:
     """The reference: the same global batches on one process, no Horovod, no pipeline."""
     alone = runtime.World(0, 1, 0, 1, _self(), None)
-    ref = replace(cfg, strategy="single", microbatches=1, accumulate=1, fp16_allreduce=False,
-                  pp_size=None)
+    ref = replace(
+        cfg, strategy="single", microbatches=1, accumulate=1, fp16_allreduce=False, pp_size=None
+    )
     engine = DataParallelEngine(spec_of(ref), DATA, ref, alone)
     metrics = loop.run(engine, DATA, ref, 1, 1)
     return named_weights(engine.elements), metrics["losses"]
@@ -74,35 +75,77 @@ def configs(suite: str) -> list[TrainConfig]:
                 out.append(replace(base, strategy="data", model=model, optimizer=opt))
         out.append(replace(base, strategy="data", model="mlp", optimizer="adam", accumulate=2))
         out.append(replace(base, strategy="data", model="cnn", optimizer="sgd", accumulate=2))
-        out.append(replace(base, strategy="data", model="mlp", optimizer="sgd",
-                           fp16_allreduce=True))
-        out.append(replace(base, strategy="data", model="mlp", optimizer="adam",
-                           clip_norm=0.5))
+        out.append(
+            replace(base, strategy="data", model="mlp", optimizer="sgd", fp16_allreduce=True)
+        )
+        out.append(replace(base, strategy="data", model="mlp", optimizer="adam", clip_norm=0.5))
         out.append(replace(base, strategy="data", model="mlp", optimizer="adam", loop="fit"))
         out.append(replace(base, strategy="data", model="cnn", optimizer="sgd", loop="fit"))
     elif suite == "pipeline":
         base = replace(base, steps=3)
         for kind in ("gpipe", "1f1b"):
             for m in (1, 3, 8):
-                for model, opt in (("mlp", "sgd"), ("mlp", "adam"), ("transformer", "sgd"),
-                                   ("transformer", "adam")):
-                    out.append(replace(base, strategy="pipeline", schedule=kind,
-                                       microbatches=m, model=model, optimizer=opt))
+                for model, opt in (
+                    ("mlp", "sgd"),
+                    ("mlp", "adam"),
+                    ("transformer", "sgd"),
+                    ("transformer", "adam"),
+                ):
+                    out.append(
+                        replace(
+                            base,
+                            strategy="pipeline",
+                            schedule=kind,
+                            microbatches=m,
+                            model=model,
+                            optimizer=opt,
+                        )
+                    )
         out.append(replace(base, strategy="model", model="mlp", optimizer="adam"))
-        out.append(replace(base, strategy="pipeline", model="mlp", optimizer="adam",
-                           microbatches=3, clip_norm=0.5))
-        out.append(replace(base, strategy="pipeline", model="transformer", optimizer="adam",
-                           microbatches=8, sync_sends=True))
-        out.append(replace(base, strategy="pipeline", model="mlp", optimizer="sgd",
-                           microbatches=8, partition="params", schedule="gpipe"))
+        out.append(
+            replace(
+                base,
+                strategy="pipeline",
+                model="mlp",
+                optimizer="adam",
+                microbatches=3,
+                clip_norm=0.5,
+            )
+        )
+        out.append(
+            replace(
+                base,
+                strategy="pipeline",
+                model="transformer",
+                optimizer="adam",
+                microbatches=8,
+                sync_sends=True,
+            )
+        )
+        out.append(
+            replace(
+                base,
+                strategy="pipeline",
+                model="mlp",
+                optimizer="sgd",
+                microbatches=8,
+                partition="params",
+                schedule="gpipe",
+            )
+        )
     elif suite == "hybrid":
         base = replace(base, steps=3, strategy="hybrid", pp_size=2)
         for kind in ("gpipe", "1f1b"):
             for m in (2, 4):
-                for model, opt in (("mlp", "sgd"), ("mlp", "adam"), ("transformer", "sgd"),
-                                   ("transformer", "adam")):
-                    out.append(replace(base, schedule=kind, microbatches=m, model=model,
-                                       optimizer=opt))
+                for model, opt in (
+                    ("mlp", "sgd"),
+                    ("mlp", "adam"),
+                    ("transformer", "sgd"),
+                    ("transformer", "adam"),
+                ):
+                    out.append(
+                        replace(base, schedule=kind, microbatches=m, model=model, optimizer=opt)
+                    )
     return [with_lr(cfg) for cfg in out]
 
 
@@ -122,18 +165,40 @@ def main() -> None:
         metrics, weights = run_strategy(cfg, world)
         if world.rank == 0:
             stages = pipeline_stages(cfg, world.size)
-            print(json.dumps({
-                "config": {k: v for k, v in cfg.as_dict().items() if k in (
-                    "strategy", "model", "optimizer", "schedule", "microbatches", "accumulate",
-                    "fp16_allreduce", "clip_norm", "loop", "sync_sends", "partition")},
-                "world_size": world.size, "stages": stages,
-                "rel_diff": relative_difference(weights, reference),
-                "loss_diff": float(np.max(np.abs(np.array(metrics["losses"]) -
-                                                 np.array(ref_losses)))),
-                "replica_checksums": metrics.get("replica_checksums"),
-                "peak_inflight": metrics.get("peak_inflight"),
-                "bubble_measured": metrics.get("bubble_measured"),
-            }), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "config": {
+                            k: v
+                            for k, v in cfg.as_dict().items()
+                            if k
+                            in (
+                                "strategy",
+                                "model",
+                                "optimizer",
+                                "schedule",
+                                "microbatches",
+                                "accumulate",
+                                "fp16_allreduce",
+                                "clip_norm",
+                                "loop",
+                                "sync_sends",
+                                "partition",
+                            )
+                        },
+                        "world_size": world.size,
+                        "stages": stages,
+                        "rel_diff": relative_difference(weights, reference),
+                        "loss_diff": float(
+                            np.max(np.abs(np.array(metrics["losses"]) - np.array(ref_losses)))
+                        ),
+                        "replica_checksums": metrics.get("replica_checksums"),
+                        "peak_inflight": metrics.get("peak_inflight"),
+                        "bubble_measured": metrics.get("bubble_measured"),
+                    }
+                ),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

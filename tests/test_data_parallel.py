@@ -21,36 +21,77 @@ def test_data_parallel_equals_single_process_for_every_configuration(ranks):
         assert r["rel_diff"] <= tolerance, r
         assert len(set(r["replica_checksums"])) == 1, r  # every rank holds the same weights
         assert len(r["replica_checksums"]) == ranks
-    families = {(c["loop"], c["accumulate"] > 1, c["fp16_allreduce"])
-                for c in (r["config"] for r in results)}
-    assert families >= {("custom", False, False), ("custom", True, False),
-                        ("custom", False, True), ("fit", False, False)}
+    families = {
+        (c["loop"], c["accumulate"] > 1, c["fp16_allreduce"])
+        for c in (r["config"] for r in results)
+    }
+    assert families >= {
+        ("custom", False, False),
+        ("custom", True, False),
+        ("custom", False, True),
+        ("fit", False, False),
+    }
 
 
-@pytest.mark.parametrize("extra,tolerance", [
-    ([], 1e-5),
-    (["--accumulate", "2"], 1e-5),
-    (["--fp16-allreduce"], 1e-2),
-    (["--loop", "fit"], 1e-5),
-])
-def test_cli_data_parallel_weights_equal_single_process(tmp_path, single_reference, extra,
-                                                        tolerance):
+@pytest.mark.parametrize(
+    "extra,tolerance",
+    [
+        ([], 1e-5),
+        (["--accumulate", "2"], 1e-5),
+        (["--fp16-allreduce"], 1e-2),
+        (["--loop", "fit"], 1e-5),
+    ],
+)
+def test_cli_data_parallel_weights_equal_single_process(
+    tmp_path, single_reference, extra, tolerance
+):
     weights, metrics = tmp_path / "w.npz", tmp_path / "m.json"
-    done = ringtrain("train", "--strategy", "data", *REFERENCE_FLAGS, *extra, "--weights-out",
-                     str(weights), "--metrics-out", str(metrics), ranks=2)
+    done = ringtrain(
+        "train",
+        "--strategy",
+        "data",
+        *REFERENCE_FLAGS,
+        *extra,
+        "--weights-out",
+        str(weights),
+        "--metrics-out",
+        str(metrics),
+        ranks=2,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert relative_difference(load_npz(weights), single_reference) <= tolerance
     report = json.loads(metrics.read_text())
-    for key in ("strategy", "world_size", "steps", "losses", "final_loss", "test_accuracy",
-                "samples_per_sec", "seconds"):
+    for key in (
+        "strategy",
+        "world_size",
+        "steps",
+        "losses",
+        "final_loss",
+        "test_accuracy",
+        "samples_per_sec",
+        "seconds",
+    ):
         assert key in report
     assert report["world_size"] == 2 and report["steps"] == 5 and len(report["losses"]) == 5
 
 
 def test_default_run_under_horovodrun_reaches_95_percent_and_loads_into_single_model(tmp_path):
     weights, metrics = tmp_path / "w.npz", tmp_path / "m.json"
-    done = run(["horovodrun", "-np", "2", "-H", "localhost:2", "ringtrain", "train",
-                "--weights-out", str(weights), "--metrics-out", str(metrics)])
+    done = run(
+        [
+            "horovodrun",
+            "-np",
+            "2",
+            "-H",
+            "localhost:2",
+            "ringtrain",
+            "train",
+            "--weights-out",
+            str(weights),
+            "--metrics-out",
+            str(metrics),
+        ]
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(metrics.read_text())
     assert report["strategy"] == "data" and report["world_size"] == 2
@@ -79,7 +120,8 @@ def test_data_strategy_without_a_launcher_runs_as_one_rank(tmp_path, single_refe
 
 
 def test_batch_not_divisible_by_ranks_fails_on_every_rank_without_hanging():
-    done = ringtrain("train", "--strategy", "data", "--batch-size", "63", "--steps", "1",
-                     ranks=2, timeout=120)
+    done = ringtrain(
+        "train", "--strategy", "data", "--batch-size", "63", "--steps", "1", ranks=2, timeout=120
+    )
     one_line_error(done, "not divisible by 2 data-parallel ranks")
     assert "[rank 1] ringtrain train: error:" in done.stderr

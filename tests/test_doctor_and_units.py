@@ -21,8 +21,14 @@ def test_doctor_without_mpirun_on_path_names_the_problem_and_the_remedy():
     import subprocess
 
     env = {**ENV, "PATH": str(BIN)}  # the venv only: no mpirun
-    done = subprocess.run([str(BIN / "ringtrain"), "doctor"], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=300)
+    done = subprocess.run(
+        [str(BIN / "ringtrain"), "doctor"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert done.returncode != 0
     assert "problem: mpirun is not on PATH: install openmpi-bin" in done.stderr
 
@@ -38,13 +44,16 @@ def test_balanced_partition_minimises_the_costliest_stage():
     assert partition.balanced([1, 2, 3], 3) == [(0, 1), (1, 2), (2, 3)]
 
 
-@pytest.mark.parametrize("changes,world,needle", [
-    ({"strategy": "single"}, 2, "runs on one rank"),
-    ({"strategy": "pipeline", "microbatches": 3}, 2, "not divisible by --microbatches 3"),
-    ({"strategy": "hybrid", "pp_size": 3}, 4, "not divisible by --pp-size 3"),
-    ({"strategy": "model", "microbatches": 2}, 2, "one microbatch"),
-    ({"clip_norm": -1.0}, 1, "--clip-norm must be positive"),
-])
+@pytest.mark.parametrize(
+    "changes,world,needle",
+    [
+        ({"strategy": "single"}, 2, "runs on one rank"),
+        ({"strategy": "pipeline", "microbatches": 3}, 2, "not divisible by --microbatches 3"),
+        ({"strategy": "hybrid", "pp_size": 3}, 4, "not divisible by --pp-size 3"),
+        ({"strategy": "model", "microbatches": 2}, 2, "one microbatch"),
+        ({"clip_norm": -1.0}, 1, "--clip-norm must be positive"),
+    ],
+)
 def test_validation_names_the_problem(changes, world, needle):
     cfg = TrainConfig(batch_size=64, **changes)
     with pytest.raises(UserError, match=needle):

@@ -22,12 +22,25 @@ def test_hybrid_2x2_equals_single_process_for_every_configuration():
 
 
 @pytest.mark.mpi
-def test_cli_hybrid_matches_single_and_overlaps_allreduce_with_backward(tmp_path,
-                                                                        single_reference):
+def test_cli_hybrid_matches_single_and_overlaps_allreduce_with_backward(tmp_path, single_reference):
     weights, metrics, trace = tmp_path / "w.npz", tmp_path / "m.json", tmp_path / "t.json"
-    done = ringtrain("train", "--strategy", "hybrid", "--pp-size", "2", "--microbatches", "4",
-                     *REFERENCE_FLAGS[:-2], "--batch-size", "48", "--weights-out", str(weights),
-                     "--metrics-out", str(metrics), "--trace", str(trace), ranks=4)
+    done = ringtrain(
+        "train",
+        "--strategy",
+        "hybrid",
+        "--pp-size",
+        "2",
+        "--microbatches",
+        "4",
+        *REFERENCE_FLAGS,
+        "--weights-out",
+        str(weights),
+        "--metrics-out",
+        str(metrics),
+        "--trace",
+        str(trace),
+        ranks=4,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "pipeline 1: ranks [2, 3]" in done.stdout
     assert relative_difference(load_npz(weights), single_reference) <= 1e-5
@@ -38,26 +51,44 @@ def test_cli_hybrid_matches_single_and_overlaps_allreduce_with_backward(tmp_path
     step = max(e["args"]["step"] for e in events)
     mine = [e for e in events if e["pid"] == 0 and e["args"]["step"] == step]
     last_stage_allreduce = min(e["ts"] for e in mine if e["tid"] == 1 and e["name"] == "ALLREDUCE")
-    stage0_last_backward_end = max(e["ts"] + e["dur"] for e in mine
-                                   if e["tid"] == 0 and e["name"].startswith("B"))
+    stage0_last_backward_end = max(
+        e["ts"] + e["dur"] for e in mine if e["tid"] == 0 and e["name"].startswith("B")
+    )
     assert last_stage_allreduce < stage0_last_backward_end
 
 
-@pytest.mark.parametrize("ranks,args,needle", [
-    (3, ["--pp-size", "2"], "world size 3 is not divisible by --pp-size 2"),
-    (2, ["--pp-size", "2", "--model", "transformer", "--batch-size", "30", "--microbatches", "4"],
-     "not divisible by --microbatches 4"),
-])
+@pytest.mark.parametrize(
+    "ranks,args,needle",
+    [
+        (3, ["--pp-size", "2"], "world size 3 is not divisible by --pp-size 2"),
+        (
+            2,
+            [
+                "--pp-size",
+                "2",
+                "--model",
+                "transformer",
+                "--batch-size",
+                "30",
+                "--microbatches",
+                "4",
+            ],
+            "not divisible by --microbatches 4",
+        ),
+    ],
+)
 def test_hybrid_bad_grids_fail_on_every_rank(ranks, args, needle):
-    done = ringtrain("train", "--strategy", "hybrid", "--steps", "1", *args, ranks=ranks,
-                     timeout=120)
+    done = ringtrain(
+        "train", "--strategy", "hybrid", "--steps", "1", *args, ranks=ranks, timeout=120
+    )
     one_line_error(done, needle)
 
 
 @pytest.mark.mpi
 def test_hybrid_more_stages_than_layers_is_refused():
-    done = ringtrain("train", "--strategy", "hybrid", "--pp-size", "5", "--steps", "1", ranks=5,
-                     timeout=120)
+    done = ringtrain(
+        "train", "--strategy", "hybrid", "--pp-size", "5", "--steps", "1", ranks=5, timeout=120
+    )
     one_line_error(done, "5 pipeline stages but model 'mlp' has only 4 layers")
 
 

@@ -53,45 +53,90 @@ def no_running_mpi(monkeypatch):
 
 # --- who am I ---------------------------------------------------------------------------------
 
-SLURM_BATCH_VARS = {"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "4",
-                    "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURMD_NODENAME": "node01"}
-SLURM_STEP_VARS = {**SLURM_BATCH_VARS, "SLURM_STEP_ID": "0", "SLURM_PROCID": "2",
-                   "SLURM_NODEID": "1", "SLURM_STEP_NUM_NODES": "2",
-                   "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURMD_NODENAME": "node02"}
-OPEN_MPI_VARS = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
-                 "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
-                 "PMIX_RANK": "3"}
+SLURM_BATCH_VARS = {
+    "SLURM_JOB_ID": "7",
+    "SLURM_PROCID": "0",
+    "SLURM_NTASKS": "4",
+    "SLURM_LOCALID": "0",
+    "SLURM_NODEID": "0",
+    "SLURMD_NODENAME": "node01",
+}
+SLURM_STEP_VARS = {
+    **SLURM_BATCH_VARS,
+    "SLURM_STEP_ID": "0",
+    "SLURM_PROCID": "2",
+    "SLURM_NODEID": "1",
+    "SLURM_STEP_NUM_NODES": "2",
+    "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+    "SLURMD_NODENAME": "node02",
+}
+OPEN_MPI_VARS = {
+    "OMPI_COMM_WORLD_RANK": "3",
+    "OMPI_COMM_WORLD_SIZE": "4",
+    "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+    "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+    "PMIX_RANK": "3",
+}
 HOST = socket.gethostname()
 
 
-@pytest.mark.parametrize("environ, expected", [
-    pytest.param({}, RankInfo(0, 1, 0, 1, HOST, "single"), id="no-launcher"),
-    pytest.param(OPEN_MPI_VARS, RankInfo(3, 4, 1, 2, HOST, "open-mpi"), id="mpirun"),
-    pytest.param({**SLURM_BATCH_VARS, **OPEN_MPI_VARS}, RankInfo(3, 4, 1, 2, "node01", "open-mpi"),
-                 id="mpirun-inside-sbatch"),
-    pytest.param({**SLURM_STEP_VARS, "PMIX_RANK": "2"}, RankInfo(2, 4, 0, 2, "node02", "pmix"),
-                 id="srun-mpi-pmix"),
-    pytest.param({"PMI_RANK": "5", "PMI_SIZE": "8", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "4"},
-                 RankInfo(5, 8, 1, 4, HOST, "pmi"), id="hydra-pmi"),
-    pytest.param({"PMI_RANK": "1", "PMI_SIZE": "2"}, RankInfo(1, 2, 1, 2, HOST, "pmi"),
-                 id="pmi-without-local-vars-means-one-node"),
-    pytest.param({**SLURM_STEP_VARS, "SLURM_PROCID": "4", "SLURM_NTASKS": "5", "SLURM_LOCALID": "1",
-                  "SLURM_STEP_TASKS_PER_NODE": "3,2"},
-                 RankInfo(4, 5, 1, 2, "node02", "slurm"), id="srun-step"),
-    pytest.param(SLURM_BATCH_VARS, RankInfo(0, 1, 0, 1, "node01", "single"),
-                 id="sbatch-script-is-not-a-rank"),
-])
+@pytest.mark.parametrize(
+    "environ, expected",
+    [
+        pytest.param({}, RankInfo(0, 1, 0, 1, HOST, "single"), id="no-launcher"),
+        pytest.param(OPEN_MPI_VARS, RankInfo(3, 4, 1, 2, HOST, "open-mpi"), id="mpirun"),
+        pytest.param(
+            {**SLURM_BATCH_VARS, **OPEN_MPI_VARS},
+            RankInfo(3, 4, 1, 2, "node01", "open-mpi"),
+            id="mpirun-inside-sbatch",
+        ),
+        pytest.param(
+            {**SLURM_STEP_VARS, "PMIX_RANK": "2"},
+            RankInfo(2, 4, 0, 2, "node02", "pmix"),
+            id="srun-mpi-pmix",
+        ),
+        pytest.param(
+            {"PMI_RANK": "5", "PMI_SIZE": "8", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "4"},
+            RankInfo(5, 8, 1, 4, HOST, "pmi"),
+            id="hydra-pmi",
+        ),
+        pytest.param(
+            {"PMI_RANK": "1", "PMI_SIZE": "2"},
+            RankInfo(1, 2, 1, 2, HOST, "pmi"),
+            id="pmi-without-local-vars-means-one-node",
+        ),
+        pytest.param(
+            {
+                **SLURM_STEP_VARS,
+                "SLURM_PROCID": "4",
+                "SLURM_NTASKS": "5",
+                "SLURM_LOCALID": "1",
+                "SLURM_STEP_TASKS_PER_NODE": "3,2",
+            },
+            RankInfo(4, 5, 1, 2, "node02", "slurm"),
+            id="srun-step",
+        ),
+        pytest.param(
+            SLURM_BATCH_VARS,
+            RankInfo(0, 1, 0, 1, "node01", "single"),
+            id="sbatch-script-is-not-a-rank",
+        ),
+    ],
+)
 def test_rank_is_read_from_each_launcher(environ, expected):
     assert who_am_i(environ) == expected
 
 
-@pytest.mark.parametrize("environ, message", [
-    ({"PMIX_RANK": "1"}, "no launcher variable gives the world size"),
-    ({**OPEN_MPI_VARS, "OMPI_COMM_WORLD_RANK": "4"}, "rank 4 is outside a world of 4"),
-    ({**OPEN_MPI_VARS, "OMPI_COMM_WORLD_SIZE": "four"}, "OMPI_COMM_WORLD_SIZE='four'"),
-    ({"PMI_RANK": "0"}, "PMI_SIZE is not set"),
-    ({**SLURM_STEP_VARS, "SLURM_NODEID": "2"}, "SLURM_NODEID=2"),
-])
+@pytest.mark.parametrize(
+    "environ, message",
+    [
+        ({"PMIX_RANK": "1"}, "no launcher variable gives the world size"),
+        ({**OPEN_MPI_VARS, "OMPI_COMM_WORLD_RANK": "4"}, "rank 4 is outside a world of 4"),
+        ({**OPEN_MPI_VARS, "OMPI_COMM_WORLD_SIZE": "four"}, "OMPI_COMM_WORLD_SIZE='four'"),
+        ({"PMI_RANK": "0"}, "PMI_SIZE is not set"),
+        ({**SLURM_STEP_VARS, "SLURM_NODEID": "2"}, "SLURM_NODEID=2"),
+    ],
+)
 def test_inconsistent_launcher_variables_fail_loudly(environ, message):
     with pytest.raises(ValueError, match=message):
         who_am_i(environ)
@@ -99,8 +144,9 @@ def test_inconsistent_launcher_variables_fail_loudly(environ, message):
 
 def fake_mpi(rank: int, size: int, finalized: bool = False) -> SimpleNamespace:
     world = SimpleNamespace(Get_rank=lambda: rank, Get_size=lambda: size)
-    return SimpleNamespace(Is_initialized=lambda: True, Is_finalized=lambda: finalized,
-                           COMM_WORLD=world)
+    return SimpleNamespace(
+        Is_initialized=lambda: True, Is_finalized=lambda: finalized, COMM_WORLD=world
+    )
 
 
 def test_running_mpi_wins_over_the_environment(monkeypatch):
@@ -127,74 +173,114 @@ def test_is_rank0_reads_the_process_environment(monkeypatch, rank, expected):
 
 # --- node lists, tasks per node, hostfiles ------------------------------------------------------
 
-@pytest.mark.parametrize("text, hosts", [
-    ("node[01-04,07]", ["node01", "node02", "node03", "node04", "node07"]),
-    ("node[01-02],gpu-a[1-2],login", ["node01", "node02", "gpu-a1", "gpu-a2", "login"]),
-    ("r[1-2]n[1-2]", ["r1n1", "r1n2", "r2n1", "r2n2"]),
-    ("node[8-11]", ["node8", "node9", "node10", "node11"]),
-    ("node[098-101]", ["node098", "node099", "node100", "node101"]),
-    ("login", ["login"]),
-    ("a[1],b.example.org", ["a1", "b.example.org"]),
-    (" node1\n", ["node1"]),
-])
+
+@pytest.mark.parametrize(
+    "text, hosts",
+    [
+        ("node[01-04,07]", ["node01", "node02", "node03", "node04", "node07"]),
+        ("node[01-02],gpu-a[1-2],login", ["node01", "node02", "gpu-a1", "gpu-a2", "login"]),
+        ("r[1-2]n[1-2]", ["r1n1", "r1n2", "r2n1", "r2n2"]),
+        ("node[8-11]", ["node8", "node9", "node10", "node11"]),
+        ("node[098-101]", ["node098", "node099", "node100", "node101"]),
+        ("login", ["login"]),
+        ("a[1],b.example.org", ["a1", "b.example.org"]),
+        (" node1\n", ["node1"]),
+    ],
+)
 def test_nodelist_expands_like_slurm(text, hosts):
     assert expand_nodelist(text) == hosts
 
 
-@pytest.mark.parametrize("text", [
-    "", "node[1-", "node1]", "a,,b", "node[3-1]", "node[a-b]", "n[[1]]", "n[]", "node 1",
-    "n[1-2-3]", "n[1-9999999]", "node[1-2];id",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "node[1-",
+        "node1]",
+        "a,,b",
+        "node[3-1]",
+        "node[a-b]",
+        "n[[1]]",
+        "n[]",
+        "node 1",
+        "n[1-2-3]",
+        "n[1-9999999]",
+        "node[1-2];id",
+    ],
+)
 def test_bad_nodelist_is_one_line_error(text):
     with pytest.raises(ValueError) as error:
         expand_nodelist(text)
     assert "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("spec, n_nodes, counts", [
-    ("4(x2),2", 3, [4, 4, 2]),
-    ("1", 1, [1]),
-    ("2(x3)", 3, [2, 2, 2]),
-    ("3,2", 2, [3, 2]),
-])
+@pytest.mark.parametrize(
+    "spec, n_nodes, counts",
+    [
+        ("4(x2),2", 3, [4, 4, 2]),
+        ("1", 1, [1]),
+        ("2(x3)", 3, [2, 2, 2]),
+        ("3,2", 2, [3, 2]),
+    ],
+)
 def test_tasks_per_node_expands(spec, n_nodes, counts):
     assert expand_tasks_per_node(spec, n_nodes) == counts
 
 
-@pytest.mark.parametrize("spec, n_nodes", [
-    ("4(x2)", 3), ("4(x2),2", 2), ("0", 1), ("2(x0),1", 1), ("x", 1), ("4(2)", 1), ("", 1),
-    ("4 (x2)", 2), ("4(x999999999)", 2),
-])
+@pytest.mark.parametrize(
+    "spec, n_nodes",
+    [
+        ("4(x2)", 3),
+        ("4(x2),2", 2),
+        ("0", 1),
+        ("2(x0),1", 1),
+        ("x", 1),
+        ("4(2)", 1),
+        ("", 1),
+        ("4 (x2)", 2),
+        ("4(x999999999)", 2),
+    ],
+)
 def test_bad_tasks_per_node_is_rejected(spec, n_nodes):
     with pytest.raises(ValueError):
         expand_tasks_per_node(spec, n_nodes)
 
 
-@pytest.mark.parametrize("text", [
-    "localhost slots=2\n",
-    "# two nodes\n\nnode1 slots=4 max_slots=8\nnode2 slots = 2  # the small one\n",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "localhost slots=2\n",
+        "# two nodes\n\nnode1 slots=4 max_slots=8\nnode2 slots = 2  # the small one\n",
+    ],
+)
 def test_good_mpirun_hostfile_has_no_problems(text):
     assert check_hostfile(text) == []
 
 
-@pytest.mark.parametrize("text, tool, problem", [
-    ("node1\n", "mpirun", "line 1: no slots=N for 'node1'"),
-    ("node1 slots=0\n", "mpirun", "line 1: slots=0: a host needs at least one slot"),
-    ("node1 slots=two\n", "mpirun", "line 1: slots='two' is not a whole number"),
-    ("node1 slots=2\nnode1 slots=2\n", "mpirun", "line 2: duplicate host 'node1' (first on"),
-    ("node1 slots=2 cpus=4\n", "mpirun", "line 1: unknown key 'cpus'"),
-    ("slots=2\n", "mpirun", "line 1: expected a host name first"),
-    ("# c\nnode1 slots=2 garbage\n", "mpirun", "line 2: unexpected 'garbage'"),
-    ("node1 slots=4 max_slots=2\n", "mpirun", "line 1: max_slots=2 is below slots=4"),
-    ("node1 slots=2 slots=3\n", "mpirun", "line 1: slots= given twice"),
-    ("# only a comment\n", "mpirun", "line 1: no hosts"),
-    ("# c\nnode1 slots=2\n", "horovodrun", "line 1: comment: horovodrun"),
-    ("node1 slots=2\n\nnode2 slots=2\n", "horovodrun", "line 2: blank line: horovodrun"),
-    ("node1 slots=2 max_slots=4\n", "horovodrun", "line 1: horovodrun reads only 'host slots=N'"),
-    ("node1 slots=2 # x\n", "horovodrun", "line 1: trailing comment"),
-    ("node1 slots = 2\n", "horovodrun", "line 1: horovodrun reads only 'host slots=N'"),
-])
+@pytest.mark.parametrize(
+    "text, tool, problem",
+    [
+        ("node1\n", "mpirun", "line 1: no slots=N for 'node1'"),
+        ("node1 slots=0\n", "mpirun", "line 1: slots=0: a host needs at least one slot"),
+        ("node1 slots=two\n", "mpirun", "line 1: slots='two' is not a whole number"),
+        ("node1 slots=2\nnode1 slots=2\n", "mpirun", "line 2: duplicate host 'node1' (first on"),
+        ("node1 slots=2 cpus=4\n", "mpirun", "line 1: unknown key 'cpus'"),
+        ("slots=2\n", "mpirun", "line 1: expected a host name first"),
+        ("# c\nnode1 slots=2 garbage\n", "mpirun", "line 2: unexpected 'garbage'"),
+        ("node1 slots=4 max_slots=2\n", "mpirun", "line 1: max_slots=2 is below slots=4"),
+        ("node1 slots=2 slots=3\n", "mpirun", "line 1: slots= given twice"),
+        ("# only a comment\n", "mpirun", "line 1: no hosts"),
+        ("# c\nnode1 slots=2\n", "horovodrun", "line 1: comment: horovodrun"),
+        ("node1 slots=2\n\nnode2 slots=2\n", "horovodrun", "line 2: blank line: horovodrun"),
+        (
+            "node1 slots=2 max_slots=4\n",
+            "horovodrun",
+            "line 1: horovodrun reads only 'host slots=N'",
+        ),
+        ("node1 slots=2 # x\n", "horovodrun", "line 1: trailing comment"),
+        ("node1 slots = 2\n", "horovodrun", "line 1: horovodrun reads only 'host slots=N'"),
+    ],
+)
 def test_hostfile_problem_is_reported_with_its_line(text, tool, problem):
     problems = check_hostfile(text, tool)
     assert len(problems) == 1 and problems[0].startswith(problem)
@@ -229,10 +315,17 @@ def test_converters_refuse_what_the_checker_would_reject(pairs):
         to_mpirun(pairs)
 
 
-@pytest.mark.parametrize("text", [
-    "localhost slots=2\n", "# c\nnode1 slots=2\n", "node1 slots=2\n\n",
-    "node1 slots=2 max_slots=4\n", "node1 slots=2 # x\n", "node1 slots = 2\n",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "localhost slots=2\n",
+        "# c\nnode1 slots=2\n",
+        "node1 slots=2\n\n",
+        "node1 slots=2 max_slots=4\n",
+        "node1 slots=2 # x\n",
+        "node1 slots = 2\n",
+    ],
+)
 def test_horovodrun_check_agrees_with_horovods_own_reader(tmp_path, text):
     hosts = pytest.importorskip("horovod.runner.common.util.hosts")
     path = tmp_path / "hostfile"
@@ -247,45 +340,74 @@ def test_horovodrun_check_agrees_with_horovods_own_reader(tmp_path, text):
 
 # --- Slurm templates and rendering --------------------------------------------------------------
 
+
 def bash_syntax_ok(script: str) -> bool:
     return subprocess.run([BASH, "-n"], input=script, text=True).returncode == 0
 
 
 def test_templates_are_plain_sbatch_scripts():
     assert [t.name for t in TEMPLATES] == [
-        "data-1node.sbatch", "data-multinode.sbatch", "hybrid.sbatch", "pipeline.sbatch"]
+        "data-1node.sbatch",
+        "data-multinode.sbatch",
+        "hybrid.sbatch",
+        "pipeline.sbatch",
+    ]
     assert bash_syntax_ok((TEMPLATE_DIR / "common.sh").read_text())
     for template in TEMPLATES:
         text = template.read_text()
         assert bash_syntax_ok(text), template.name
-        for line in ("#SBATCH --output=%x-%j.out", "#SBATCH --signal=B:USR1@60",
-                     'source "$RINGTRAIN_HOME/slurm/common.sh"', "--resume"):
+        for line in (
+            "#SBATCH --output=%x-%j.out",
+            "#SBATCH --signal=B:USR1@60",
+            'source "$RINGTRAIN_HOME/slurm/common.sh"',
+            "--resume",
+        ):
             assert line in text, (template.name, line)
         assert "ringtrain train --strategy " + template.stem.split("-")[0] in text
 
 
-@pytest.mark.parametrize("strategy, nodes, tasks, pp_size, template", [
-    ("data", 1, 4, None, "data-1node.sbatch"),
-    ("data", 3, 2, None, "data-multinode.sbatch"),
-    ("pipeline", 1, 4, None, "pipeline.sbatch"),
-    ("pipeline", 2, 2, 4, "pipeline.sbatch"),
-    ("hybrid", 2, 3, 3, "hybrid.sbatch"),
-])
+@pytest.mark.parametrize(
+    "strategy, nodes, tasks, pp_size, template",
+    [
+        ("data", 1, 4, None, "data-1node.sbatch"),
+        ("data", 3, 2, None, "data-multinode.sbatch"),
+        ("pipeline", 1, 4, None, "pipeline.sbatch"),
+        ("pipeline", 2, 2, 4, "pipeline.sbatch"),
+        ("hybrid", 2, 3, 3, "hybrid.sbatch"),
+    ],
+)
 def test_render_rewrites_the_settings(strategy, nodes, tasks, pp_size, template):
     assert template_path(strategy, nodes).name == template
-    script = render(strategy, nodes, tasks, "1-12:00", pp_size=pp_size, job_name="exp.1_a-b",
-                    train_args=["--epochs", "5"])
-    for line in (f"#SBATCH --nodes={nodes}", f"#SBATCH --ntasks-per-node={tasks}",
-                 "#SBATCH --time=1-12:00", "#SBATCH --job-name=exp.1_a-b",
-                 "(($#)) || set -- --epochs 5"):
+    script = render(
+        strategy,
+        nodes,
+        tasks,
+        "1-12:00",
+        pp_size=pp_size,
+        job_name="exp.1_a-b",
+        train_args=["--epochs", "5"],
+    )
+    for line in (
+        f"#SBATCH --nodes={nodes}",
+        f"#SBATCH --ntasks-per-node={tasks}",
+        "#SBATCH --time=1-12:00",
+        "#SBATCH --job-name=exp.1_a-b",
+        "(($#)) || set -- --epochs 5",
+    ):
         assert line + "\n" in script
     assert (f"PP_SIZE=${{PP_SIZE:-{pp_size}}}" in script) == (strategy == "hybrid")
     assert bash_syntax_ok(script)
 
 
 def run_bash(script: str, cwd: Path) -> str:
-    return subprocess.run([BASH, "-c", script], cwd=cwd, text=True, capture_output=True,
-                          check=True, env={"PATH": os.environ["PATH"]}).stdout
+    return subprocess.run(
+        [BASH, "-c", script],
+        cwd=cwd,
+        text=True,
+        capture_output=True,
+        check=True,
+        env={"PATH": os.environ["PATH"]},
+    ).stdout
 
 
 def test_rendered_script_finds_this_checkout(tmp_path):
@@ -295,13 +417,21 @@ def test_rendered_script_finds_this_checkout(tmp_path):
 
 
 def test_train_args_are_quoted_so_no_shell_code_runs(tmp_path):
-    hostile = ["x; rm -rf /", "$(touch pwned)", "`touch pwned`", "a'b", "back\\slash", "*",
-               "two\nlines", "--lr=0.1"]
+    hostile = [
+        "x; rm -rf /",
+        "$(touch pwned)",
+        "`touch pwned`",
+        "a'b",
+        "back\\slash",
+        "*",
+        "two\nlines",
+        "--lr=0.1",
+    ]
     script = render("pipeline", 1, 2, "30:00", train_args=hostile)
     assert bash_syntax_ok(script)
     set_line = next(line for line in script.splitlines() if line.startswith("(($#)) || set --"))
     assert "set -- 'x; rm -rf /' '$(touch pwned)' '`touch pwned`'" in set_line
-    args_block = script[script.index("(($#)) || set --"):script.index("\nsource ")]
+    args_block = script[script.index("(($#)) || set --") : script.index("\nsource ")]
     printed = run_bash(args_block + "\nprintf '%s\\0' \"$@\"", tmp_path)
     assert printed.split("\0")[:-1] == hostile
     assert not (tmp_path / "pwned").exists()
@@ -313,34 +443,66 @@ def test_job_name_outside_the_safe_set_is_rejected(job_name):
         render("data", 1, 2, "10", job_name=job_name)
 
 
-@pytest.mark.parametrize("text, seconds", [
-    ("30", 1800), ("30:15", 1815), ("01:30:00", 5400), ("48:00:00", 172800),
-    ("2-12", 216000), ("1-00:30", 88200), ("1-00:00:30", 86430),
-])
+@pytest.mark.parametrize(
+    "text, seconds",
+    [
+        ("30", 1800),
+        ("30:15", 1815),
+        ("01:30:00", 5400),
+        ("48:00:00", 172800),
+        ("2-12", 216000),
+        ("1-00:30", 88200),
+        ("1-00:00:30", 86430),
+    ],
+)
 def test_slurm_time_formats_are_accepted(text, seconds):
     assert time_limit_seconds(text) == seconds
 
 
-@pytest.mark.parametrize("text", [
-    "", "0", "00:00:00", "1h", "abc", " 10", "10 ", "10\n", "-5", "1-", "1:2:3:4", "25:60",
-    "1:60:00", "1-24", "1-10:60", "400-00", "1--2", "1:", "UNLIMITED", "１０",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "0",
+        "00:00:00",
+        "1h",
+        "abc",
+        " 10",
+        "10 ",
+        "10\n",
+        "-5",
+        "1-",
+        "1:2:3:4",
+        "25:60",
+        "1:60:00",
+        "1-24",
+        "1-10:60",
+        "400-00",
+        "1--2",
+        "1:",
+        "UNLIMITED",
+        "１０",
+    ],
+)
 def test_bad_time_is_rejected(text):
     with pytest.raises(ValueError, match="time"):
         render("data", 1, 2, text)
 
 
-@pytest.mark.parametrize("strategy, nodes, tasks, pp_size, message", [
-    ("hybrid", 2, 3, 4, "--pp-size 4 does not divide the 6 tasks"),
-    ("hybrid", 1, 4, 8, "does not divide"),
-    ("hybrid", 1, 4, 0, "does not divide"),
-    ("hybrid", 1, 4, None, "hybrid needs --pp-size"),
-    ("data", 1, 4, 2, "data parallelism has no stages"),
-    ("pipeline", 1, 4, 2, "every one of the 4 tasks a stage"),
-    ("data", 0, 4, None, "at least one node"),
-    ("pipeline", 1, 0, None, "at least one task"),
-    ("model", 1, 2, None, "unknown strategy"),
-])
+@pytest.mark.parametrize(
+    "strategy, nodes, tasks, pp_size, message",
+    [
+        ("hybrid", 2, 3, 4, "--pp-size 4 does not divide the 6 tasks"),
+        ("hybrid", 1, 4, 8, "does not divide"),
+        ("hybrid", 1, 4, 0, "does not divide"),
+        ("hybrid", 1, 4, None, "hybrid needs --pp-size"),
+        ("data", 1, 4, 2, "data parallelism has no stages"),
+        ("pipeline", 1, 4, 2, "every one of the 4 tasks a stage"),
+        ("data", 0, 4, None, "at least one node"),
+        ("pipeline", 1, 0, None, "at least one task"),
+        ("model", 1, 2, None, "unknown strategy"),
+    ],
+)
 def test_impossible_layout_is_rejected(strategy, nodes, tasks, pp_size, message):
     with pytest.raises(ValueError, match=message):
         render(strategy, nodes, tasks, "10", pp_size=pp_size)
@@ -370,23 +532,40 @@ while :; do sleep 0.02; done
 """
 
 
-def run_batch_script(tmp_path: Path, send: signal.Signals | None = None, fake_exit: str = "",
-                     mpi_types: str = "none pmi2 pmix") -> tuple[int, Path]:
+def run_batch_script(
+    tmp_path: Path,
+    send: signal.Signals | None = None,
+    fake_exit: str = "",
+    mpi_types: str = "none pmi2 pmix",
+) -> tuple[int, Path]:
     """Run slurm/hybrid.sbatch as sbatch would, with fakes on PATH; return (rc, output dir)."""
     venv, out = tmp_path / "venv", tmp_path / "out"
     (venv / "bin").mkdir(parents=True)
     out.mkdir()
     (venv / "bin" / "activate").write_text(f'PATH="{venv}/bin:$PATH"\n')
-    fakes = {"srun": FAKE_SRUN, "mpirun": FAKE_MPIRUN, "ringtrain": FAKE_RINGTRAIN,
-             "scontrol": '#!/bin/bash\necho "$*" >"$OUT/scontrol"\n'}
+    fakes = {
+        "srun": FAKE_SRUN,
+        "mpirun": FAKE_MPIRUN,
+        "ringtrain": FAKE_RINGTRAIN,
+        "scontrol": '#!/bin/bash\necho "$*" >"$OUT/scontrol"\n',
+    }
     for name, text in fakes.items():
         (venv / "bin" / name).write_text(text)
         (venv / "bin" / name).chmod(0o755)
-    env = {"PATH": os.environ["PATH"], "OUT": str(out), "RINGTRAIN_VENV": str(venv),
-           "RINGTRAIN_HOME": str(REPO_ROOT), "SLURM_JOB_ID": "42", "SLURM_JOB_NAME": "demo",
-           "SLURM_CPUS_PER_TASK": "3", "FAKE_EXIT": fake_exit, "FAKE_MPI_TYPES": mpi_types}
-    batch = subprocess.Popen([BASH, str(TEMPLATE_DIR / "hybrid.sbatch"), "--epochs", "3"],
-                             env=env, cwd=tmp_path)
+    env = {
+        "PATH": os.environ["PATH"],
+        "OUT": str(out),
+        "RINGTRAIN_VENV": str(venv),
+        "RINGTRAIN_HOME": str(REPO_ROOT),
+        "SLURM_JOB_ID": "42",
+        "SLURM_JOB_NAME": "demo",
+        "SLURM_CPUS_PER_TASK": "3",
+        "FAKE_EXIT": fake_exit,
+        "FAKE_MPI_TYPES": mpi_types,
+    }
+    batch = subprocess.Popen(
+        [BASH, str(TEMPLATE_DIR / "hybrid.sbatch"), "--epochs", "3"], env=env, cwd=tmp_path
+    )
     if send is not None:
         deadline = time.monotonic() + 10
         while not (out / "ready").exists() and time.monotonic() < deadline:
@@ -412,11 +591,19 @@ def test_finished_or_failed_step_is_not_requeued(tmp_path, exit_code):
 
 def test_step_runs_ringtrain_train_with_srun_pmix_and_one_pool_per_task(tmp_path):
     _, out = run_batch_script(tmp_path, fake_exit="0")
-    assert (out / "launcher").read_text().split()[:3] == ["srun", "--mpi=pmix",
-                                                          "--cpus-per-task=3"]
+    assert (out / "launcher").read_text().split()[:3] == ["srun", "--mpi=pmix", "--cpus-per-task=3"]
     assert (out / "args").read_text().split() == [
-        "train", "--strategy", "hybrid", "--pp-size", "2", "--checkpoint-dir", "ckpt-demo",
-        "--resume", "--epochs", "3"]
+        "train",
+        "--strategy",
+        "hybrid",
+        "--pp-size",
+        "2",
+        "--checkpoint-dir",
+        "ckpt-demo",
+        "--resume",
+        "--epochs",
+        "3",
+    ]
     assert (out / "threads").read_text().split() == ["3", "3", "3"]
 
 
@@ -428,12 +615,15 @@ def test_step_falls_back_to_mpirun_without_pmix(tmp_path):
 
 # --- the commands ----------------------------------------------------------------------------
 
+
 def launch_parser() -> argparse.ArgumentParser:
     """The launch commands mounted as the main CLI mounts them."""
     parser = argparse.ArgumentParser(prog="ringtrain")
     commands = parser.add_subparsers(dest="command", required=True)
-    for name, add, run in (("hostfile", add_hostfile_arguments, run_hostfile_command),
-                           ("slurm", add_slurm_arguments, run_slurm_command)):
+    for name, add, run in (
+        ("hostfile", add_hostfile_arguments, run_hostfile_command),
+        ("slurm", add_slurm_arguments, run_slurm_command),
+    ):
         sub = commands.add_parser(name)
         add(sub)
         sub.set_defaults(run=run)
@@ -445,18 +635,65 @@ def run_cli(argv: list[str]) -> int:
     return args.run(args)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["slurm", "render", "--strategy", "hybrid", "--nodes", "2", "--ntasks-per-node", "3",
-      "--time", "1:00:00", "--pp-size", "4"],
-     "ringtrain slurm render: error: --pp-size 4 does not divide the 6 tasks"),
-    (["slurm", "render", "--strategy", "data", "--nodes", "1", "--ntasks-per-node", "2",
-      "--time", "10", "--job-name", "x;id"], "ringtrain slurm render: error: job name 'x;id'"),
-    (["slurm", "render", "--strategy", "data", "--nodes", "1", "--ntasks-per-node", "2",
-      "--time", "25:99"], "ringtrain slurm render: error: time '25:99'"),
-    (["hostfile", "convert", "node[1-", "--slots", "2", "--format", "mpirun"],
-     "ringtrain hostfile convert: error: bad node list 'node[1-'"),
-    (["hostfile", "check", "/no/such/hostfile"], "ringtrain hostfile check: error: "),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            [
+                "slurm",
+                "render",
+                "--strategy",
+                "hybrid",
+                "--nodes",
+                "2",
+                "--ntasks-per-node",
+                "3",
+                "--time",
+                "1:00:00",
+                "--pp-size",
+                "4",
+            ],
+            "ringtrain slurm render: error: --pp-size 4 does not divide the 6 tasks",
+        ),
+        (
+            [
+                "slurm",
+                "render",
+                "--strategy",
+                "data",
+                "--nodes",
+                "1",
+                "--ntasks-per-node",
+                "2",
+                "--time",
+                "10",
+                "--job-name",
+                "x;id",
+            ],
+            "ringtrain slurm render: error: job name 'x;id'",
+        ),
+        (
+            [
+                "slurm",
+                "render",
+                "--strategy",
+                "data",
+                "--nodes",
+                "1",
+                "--ntasks-per-node",
+                "2",
+                "--time",
+                "25:99",
+            ],
+            "ringtrain slurm render: error: time '25:99'",
+        ),
+        (
+            ["hostfile", "convert", "node[1-", "--slots", "2", "--format", "mpirun"],
+            "ringtrain hostfile convert: error: bad node list 'node[1-'",
+        ),
+        (["hostfile", "check", "/no/such/hostfile"], "ringtrain hostfile check: error: "),
+    ],
+)
 def test_bad_input_is_one_line_on_stderr_and_exit_2(capsys, argv, message):
     assert run_cli(argv) == 2
     captured = capsys.readouterr()
@@ -470,8 +707,9 @@ def test_bad_flag_in_the_real_cli_is_one_line(capsys):
     with pytest.raises(SystemExit) as exit_:
         build_parser().parse_args(["hostfile", "convert", "node1", "--slots", "2"])
     assert exit_.value.code == 2
-    assert capsys.readouterr().err == ("ringtrain hostfile convert: error: the following "
-                                       "arguments are required: --format\n")
+    assert capsys.readouterr().err == (
+        "ringtrain hostfile convert: error: the following arguments are required: --format\n"
+    )
 
 
 def test_check_prints_ok_or_each_bad_line(tmp_path, capsys):
@@ -483,7 +721,8 @@ def test_check_prints_ok_or_each_bad_line(tmp_path, capsys):
     assert run_cli(["hostfile", "check", str(bad), "--for", "horovodrun"]) == 1
     assert capsys.readouterr().out.splitlines() == [
         "line 1: comment: horovodrun's hostfile reader cannot skip comments; delete it",
-        "line 2: slots=0: a host needs at least one slot"]
+        "line 2: slots=0: a host needs at least one slot",
+    ]
 
 
 def test_convert_reads_the_slurm_allocation_by_default(monkeypatch, capsys):
@@ -497,9 +736,26 @@ def test_convert_reads_the_slurm_allocation_by_default(monkeypatch, capsys):
 
 def test_render_writes_the_file_with_train_args_after_double_dash(tmp_path, capsys):
     target = tmp_path / "job.sbatch"
-    argv = ["slurm", "render", "--strategy", "hybrid", "--nodes", "1", "--ntasks-per-node", "4",
-            "--time", "00:10:00", "--pp-size", "2", "--output", str(target), "--",
-            "--epochs", "1", "$(id)"]
+    argv = [
+        "slurm",
+        "render",
+        "--strategy",
+        "hybrid",
+        "--nodes",
+        "1",
+        "--ntasks-per-node",
+        "4",
+        "--time",
+        "00:10:00",
+        "--pp-size",
+        "2",
+        "--output",
+        str(target),
+        "--",
+        "--epochs",
+        "1",
+        "$(id)",
+    ]
     assert run_cli(argv) == 0
     assert "(($#)) || set -- --epochs 1 '$(id)'\n" in target.read_text()
     assert capsys.readouterr().out.startswith(f"wrote {target}")

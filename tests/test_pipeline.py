@@ -7,10 +7,20 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
-from conftest import (BIN, ENV, MPIRUN, REFERENCE_FLAGS, ROOT, load_npz, mpi_checks,
-                      one_line_error, ringtrain)
+from conftest import (
+    BIN,
+    ENV,
+    MPIRUN,
+    REFERENCE_FLAGS,
+    ROOT,
+    load_npz,
+    mpi_checks,
+    one_line_error,
+    ringtrain,
+)
 
 from ringtrain.weights import relative_difference
 
@@ -28,23 +38,41 @@ def test_pipeline_gpipe_and_1f1b_equal_single_process_for_every_configuration(st
         # Memory: 1F1B holds at most min(P - s, M) microbatches at stage s, GPipe holds M.
         expected = [m if c["schedule"] == "gpipe" else min(stages - s, m) for s in range(stages)]
         assert r["peak_inflight"] == expected, r
-    seen = {(r["config"]["strategy"], r["config"]["schedule"], r["config"]["microbatches"])
-            for r in results}
+    seen = {
+        (r["config"]["strategy"], r["config"]["schedule"], r["config"]["microbatches"])
+        for r in results
+    }
     assert ("model", "1f1b", 1) in seen and ("pipeline", "gpipe", 8) in seen
     assert any(r["config"]["sync_sends"] for r in results)  # Ssend: no reliance on buffering
     assert any(r["config"]["clip_norm"] for r in results)
 
 
-@pytest.mark.parametrize("strategy,schedule", [("pipeline", "gpipe"), ("pipeline", "1f1b"),
-                                               ("model", "1f1b")])
-def test_cli_pipeline_weights_equal_single_process(tmp_path, single_reference, strategy,
-                                                   schedule):
+@pytest.mark.parametrize(
+    "strategy,schedule", [("pipeline", "gpipe"), ("pipeline", "1f1b"), ("model", "1f1b")]
+)
+def test_cli_pipeline_weights_equal_single_process(tmp_path, single_reference, strategy, schedule):
     weights, metrics = tmp_path / "w.npz", tmp_path / "m.json"
     trace, gantt = tmp_path / "trace.json", tmp_path / "gantt.png"
     micro = "1" if strategy == "model" else "4"
-    done = ringtrain("train", "--strategy", strategy, "--schedule", schedule, "--microbatches",
-                     micro, *REFERENCE_FLAGS, "--weights-out", str(weights), "--metrics-out",
-                     str(metrics), "--trace", str(trace), "--gantt", str(gantt), ranks=2)
+    done = ringtrain(
+        "train",
+        "--strategy",
+        strategy,
+        "--schedule",
+        schedule,
+        "--microbatches",
+        micro,
+        *REFERENCE_FLAGS,
+        "--weights-out",
+        str(weights),
+        "--metrics-out",
+        str(metrics),
+        "--trace",
+        str(trace),
+        "--gantt",
+        str(gantt),
+        ranks=2,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert relative_difference(load_npz(weights), single_reference) <= 1e-5
     report = json.loads(metrics.read_text())
@@ -68,8 +96,8 @@ def _rank_pid(rank: int, launcher_pid: int) -> int:
         if not pid.isdigit():
             continue
         try:
-            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
         if b"ringtrain" in cmdline and f"OMPI_COMM_WORLD_RANK={rank}".encode() in environ:
@@ -79,10 +107,21 @@ def _rank_pid(rank: int, launcher_pid: int) -> int:
 
 def test_a_stopped_stage_ends_the_job_within_the_comm_timeout_naming_the_stage(tmp_path):
     timeout = 5
-    cmd = [*MPIRUN, "2", str(BIN / "ringtrain"), "train", "--strategy", "pipeline",
-           "--steps", "100000", "--comm-timeout", str(timeout)]
-    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           env=ENV, cwd=ROOT)
+    cmd = [
+        *MPIRUN,
+        "2",
+        str(BIN / "ringtrain"),
+        "train",
+        "--strategy",
+        "pipeline",
+        "--steps",
+        "100000",
+        "--comm-timeout",
+        str(timeout),
+    ]
+    job = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT
+    )
     try:
         deadline = time.monotonic() + 120
         line = ""

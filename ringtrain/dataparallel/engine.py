@@ -8,8 +8,8 @@ import tensorflow as tf
 
 from ringtrain.config import TrainConfig
 from ringtrain.data import Dataset, shard
-from ringtrain.evaluate import sharded_accuracy
 from ringtrain.dataparallel.collectives import average_gradients, broadcast_state
+from ringtrain.evaluate import sharded_accuracy
 from ringtrain.models import ModelSpec, forward, loss_fn, trainable_variables
 from ringtrain.optim import make_optimizer
 from ringtrain.runtime import World
@@ -32,21 +32,21 @@ class DataParallelEngine:
         self._predict = tf.function(lambda x: tf.argmax(forward(self.elements, x), axis=-1))
 
     def _step_graph(self, x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
-        """x holds `accumulate` slices; their mean-loss gradients, averaged, equal the full slice's."""
+        """x holds `accumulate` slices; their averaged mean-loss gradients equal the slice's."""
         slices = self.cfg.accumulate
         grads = [tf.zeros_like(v) for v in self.variables]
         loss = tf.constant(0.0)
         for i in range(slices):
             with tf.GradientTape() as tape:
                 part = loss_fn(y[i], forward(self.elements, x[i])) / slices
-            grads = [g + d for g, d in zip(grads, tape.gradient(part, self.variables))]
+            grads = [g + d for g, d in zip(grads, tape.gradient(part, self.variables), strict=True)]
             loss += part
         if self.hvd is not None:
             grads = average_gradients(self.hvd, grads, fp16=self.cfg.fp16_allreduce)
             loss = self.hvd.allreduce(loss, op=self.hvd.Average)
         if self.cfg.clip_norm is not None:
             grads, _ = tf.clip_by_global_norm(grads, self.cfg.clip_norm)
-        self.optimizer.apply_gradients(zip(grads, self.variables))
+        self.optimizer.apply_gradients(zip(grads, self.variables, strict=True))
         return loss
 
     def set_learning_rate(self, lr: float) -> None:
@@ -61,7 +61,9 @@ class DataParallelEngine:
 
     def evaluate(self) -> float:
         predict = lambda x: self._predict(x).numpy()  # noqa: E731
-        return sharded_accuracy(predict, self.data, self.world.comm, self.world.rank, self.world.size)
+        return sharded_accuracy(
+            predict, self.data, self.world.comm, self.world.rank, self.world.size
+        )
 
     def gather_weights(self) -> dict[str, np.ndarray] | None:
         """Replicas are identical, so rank 0's copy is the model."""

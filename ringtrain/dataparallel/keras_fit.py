@@ -28,9 +28,9 @@ def distributed_optimizer(optimizer: keras.optimizers.Optimizer, hvd, fp16: bool
 
     class Distributed(base):
         def apply_gradients(self, grads_and_vars):
-            grads, variables = zip(*grads_and_vars)
+            grads, variables = zip(*grads_and_vars, strict=True)
             grads = average_gradients(hvd, list(grads), fp16=fp16)
-            return super().apply_gradients(zip(grads, variables))
+            return super().apply_gradients(zip(grads, variables, strict=True))
 
     Distributed.__name__ = f"Distributed{base.__name__}"
     return Distributed.from_config(optimizer.get_config())
@@ -110,7 +110,11 @@ def fit(spec: ModelSpec, data: Dataset, cfg: TrainConfig, world: World):
     optimizer = make_optimizer(cfg)
     if hvd is not None:
         optimizer = distributed_optimizer(optimizer, hvd, cfg.fp16_allreduce)
-    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    model.compile(
+        optimizer=optimizer,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
     total, per_epoch = step_plan(len(data.x), cfg.batch_size, cfg.epochs, cfg.steps)
     recorder = LossRecorder(hvd)
     callbacks = [recorder, LearningRateWarmup(cfg, world.size, per_epoch)]
@@ -122,18 +126,33 @@ def fit(spec: ModelSpec, data: Dataset, cfg: TrainConfig, world: World):
         steps = min(per_epoch, total - epoch * per_epoch)
         order = epoch_batches(len(data.x), cfg.batch_size, cfg.seed, epoch)[:steps]
         local = np.concatenate([shard(b, world.rank, world.size) for b in order])
-        history = model.fit(data.x[local], data.y[local], batch_size=local_batch, epochs=1,
-                            shuffle=False, verbose=0, callbacks=callbacks)
-        log.info(f"epoch {epoch + 1}: loss {history.history['loss'][0]:.4f}  "
-                 f"train accuracy {history.history['accuracy'][0]:.4f}")
+        history = model.fit(
+            data.x[local],
+            data.y[local],
+            batch_size=local_batch,
+            epochs=1,
+            shuffle=False,
+            verbose=0,
+            callbacks=callbacks,
+        )
+        log.info(
+            f"epoch {epoch + 1}: loss {history.history['loss'][0]:.4f}  "
+            f"train accuracy {history.history['accuracy'][0]:.4f}"
+        )
     seconds = time.perf_counter() - started
     predict = lambda x: np.argmax(model.predict(x, verbose=0), axis=-1)  # noqa: E731
     accuracy = sharded_accuracy(predict, data, world.comm, world.rank, world.size)
     metrics = {
-        "strategy": cfg.strategy, "world_size": world.size, "steps": total, "loop": "fit",
-        "global_batch": cfg.batch_size, "losses": recorder.losses,
-        "final_loss": recorder.losses[-1], "test_accuracy": accuracy,
-        "samples_per_sec": cfg.batch_size * total / seconds, "seconds": seconds,
+        "strategy": cfg.strategy,
+        "world_size": world.size,
+        "steps": total,
+        "loop": "fit",
+        "global_batch": cfg.batch_size,
+        "losses": recorder.losses,
+        "final_loss": recorder.losses[-1],
+        "test_accuracy": accuracy,
+        "samples_per_sec": cfg.batch_size * total / seconds,
+        "seconds": seconds,
         "config": cfg.as_dict(),
         "replica_checksums": replica_checksums(world.comm, model.trainable_variables),
     }

@@ -39,11 +39,15 @@ class RankInfo:
     def __post_init__(self) -> None:
         """A launcher variable left over from another job must fail loudly, not mis-shard data."""
         if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} is outside a world of {self.world_size} "
-                             f"(read from {self.source})")
+            raise ValueError(
+                f"rank {self.rank} is outside a world of {self.world_size} "
+                f"(read from {self.source})"
+            )
         if not 0 <= self.local_rank < self.local_size <= self.world_size:
-            raise ValueError(f"local rank {self.local_rank} of {self.local_size} does not fit a "
-                             f"world of {self.world_size} (read from {self.source})")
+            raise ValueError(
+                f"local rank {self.local_rank} of {self.local_size} does not fit a "
+                f"world of {self.world_size} (read from {self.source})"
+            )
 
 
 def who_am_i(environ: Env | None = None) -> RankInfo:
@@ -86,8 +90,10 @@ def _pmix(env: Env) -> tuple[int, int] | None:
     if "PMIX_RANK" not in env:
         return None
     if "SLURM_STEP_ID" not in env:
-        raise ValueError("PMIX_RANK is set, but no launcher variable gives the world size: "
-                         "launch with mpirun or srun, or import mpi4py.MPI first")
+        raise ValueError(
+            "PMIX_RANK is set, but no launcher variable gives the world size: "
+            "launch with mpirun or srun, or import mpi4py.MPI first"
+        )
     return _int(env, "PMIX_RANK"), _int(env, "SLURM_NTASKS")
 
 
@@ -118,8 +124,9 @@ def _local_layout(env: Env, rank: int, size: int) -> tuple[int, int]:
     if "MPI_LOCALRANKID" in env:
         return _int(env, "MPI_LOCALRANKID"), _int(env, "MPI_LOCALNRANKS")
     if "SLURM_STEP_ID" in env:
-        per_node = expand_tasks_per_node(_text(env, "SLURM_STEP_TASKS_PER_NODE"),
-                                         _int(env, "SLURM_STEP_NUM_NODES"))
+        per_node = expand_tasks_per_node(
+            _text(env, "SLURM_STEP_TASKS_PER_NODE"), _int(env, "SLURM_STEP_NUM_NODES")
+        )
         node_id = _int(env, "SLURM_NODEID")
         if node_id >= len(per_node):
             raise ValueError(f"SLURM_NODEID={node_id} but the step has {len(per_node)} node(s)")

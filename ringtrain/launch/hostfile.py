@@ -113,8 +113,9 @@ def parse_hostfile(text: str, for_tool: str = "mpirun") -> tuple[list[HostSlots]
             continue
         host = entry[0]
         if host in first_seen:
-            problems.append(f"line {number}: duplicate host {host!r} (first on line "
-                            f"{first_seen[host]})")
+            problems.append(
+                f"line {number}: duplicate host {host!r} (first on line {first_seen[host]})"
+            )
             continue
         first_seen[host] = number
         hosts.append(entry)
@@ -150,8 +151,9 @@ def _require_horovod_shape(line: str) -> None:
     if "#" in line:
         raise ValueError("trailing comment: horovodrun would read it as part of the slot count")
     if not _HOROVOD_LINE.fullmatch(line.strip()):
-        raise ValueError("horovodrun reads only 'host slots=N' (no max_slots, no spaces "
-                         "around '=')")
+        raise ValueError(
+            "horovodrun reads only 'host slots=N' (no max_slots, no spaces around '=')"
+        )
 
 
 def _parse_open_mpi_line(line: str) -> HostSlots | None:

@@ -34,27 +34,48 @@ _FORMATS: dict[str, Callable[[list[tuple[str, int]]], str]] = {
 def add_hostfile_arguments(subparser: argparse.ArgumentParser) -> None:
     """Mount `convert` and `check` under the main CLI's `hostfile` parser; they inherit its
     parser class, so a bad flag costs one line there too."""
-    commands = subparser.add_subparsers(dest="hostfile_command", required=True,
-                                        metavar="{convert,check}")
+    commands = subparser.add_subparsers(
+        dest="hostfile_command", required=True, metavar="{convert,check}"
+    )
     convert = commands.add_parser(
-        "convert", help="Slurm node list -> mpirun hostfile or horovodrun -H list",
-        description="Print the hosts of a Slurm node list with their slot counts.")
-    convert.add_argument("nodelist", nargs="?", metavar="NODELIST",
-                         help="e.g. node[01-04,07]; default $SLURM_JOB_NODELIST")
+        "convert",
+        help="Slurm node list -> mpirun hostfile or horovodrun -H list",
+        description="Print the hosts of a Slurm node list with their slot counts.",
+    )
+    convert.add_argument(
+        "nodelist",
+        nargs="?",
+        metavar="NODELIST",
+        help="e.g. node[01-04,07]; default $SLURM_JOB_NODELIST",
+    )
     counts = convert.add_mutually_exclusive_group()
-    counts.add_argument("--tasks-per-node", metavar="SPEC",
-                        help="Slurm syntax, e.g. 4(x2),2; default $SLURM_TASKS_PER_NODE")
+    counts.add_argument(
+        "--tasks-per-node",
+        metavar="SPEC",
+        help="Slurm syntax, e.g. 4(x2),2; default $SLURM_TASKS_PER_NODE",
+    )
     counts.add_argument("--slots", type=int, metavar="N", help="the same slot count everywhere")
-    convert.add_argument("--format", required=True, choices=sorted(_FORMATS),
-                         help="mpirun: 'host slots=N' lines; horovod: one host:N,host:N list")
+    convert.add_argument(
+        "--format",
+        required=True,
+        choices=sorted(_FORMATS),
+        help="mpirun: 'host slots=N' lines; horovod: one host:N,host:N list",
+    )
     convert.set_defaults(launch_run=_convert, launch_prog=convert.prog)
 
     check = commands.add_parser(
-        "check", help="find the lines mpirun or horovodrun would misread",
-        description="Exit 0 if the tool reads the hostfile as written, else 1 with each problem.")
+        "check",
+        help="find the lines mpirun or horovodrun would misread",
+        description="Exit 0 if the tool reads the hostfile as written, else 1 with each problem.",
+    )
     check.add_argument("file", metavar="FILE")
-    check.add_argument("--for", dest="for_tool", choices=TOOLS, default="mpirun",
-                       help="the tool that will read FILE (default mpirun)")
+    check.add_argument(
+        "--for",
+        dest="for_tool",
+        choices=TOOLS,
+        default="mpirun",
+        help="the tool that will read FILE (default mpirun)",
+    )
     check.set_defaults(launch_run=_check, launch_prog=check.prog)
 
 
@@ -67,19 +88,26 @@ def add_slurm_arguments(subparser: argparse.ArgumentParser) -> None:
     """Mount `render` under the main CLI's `slurm` parser."""
     commands = subparser.add_subparsers(dest="slurm_command", required=True, metavar="{render}")
     parser = commands.add_parser(
-        "render", help="write a batch script from slurm/<template>.sbatch",
+        "render",
+        help="write a batch script from slurm/<template>.sbatch",
         description="Print (or write) a checked Slurm batch script; arguments after -- go to "
-                    "`ringtrain train`.")
+        "`ringtrain train`.",
+    )
     parser.add_argument("--strategy", required=True, choices=STRATEGIES)
     parser.add_argument("--nodes", required=True, type=int, metavar="N")
     parser.add_argument("--ntasks-per-node", required=True, type=int, metavar="K")
-    parser.add_argument("--time", required=True, metavar="HH:MM:SS",
-                        help="or MM, MM:SS, D-HH, D-HH:MM, D-HH:MM:SS")
+    parser.add_argument(
+        "--time", required=True, metavar="HH:MM:SS", help="or MM, MM:SS, D-HH, D-HH:MM, D-HH:MM:SS"
+    )
     parser.add_argument("--pp-size", type=int, metavar="P", help="stages per replica (hybrid)")
     parser.add_argument("--job-name", metavar="NAME")
     parser.add_argument("--output", metavar="FILE", help="write here instead of stdout")
-    parser.add_argument("train_args", nargs="*", metavar="-- TRAIN_ARGS",
-                        help="default arguments of `ringtrain train` in the script")
+    parser.add_argument(
+        "train_args",
+        nargs="*",
+        metavar="-- TRAIN_ARGS",
+        help="default arguments of `ringtrain train` in the script",
+    )
     parser.set_defaults(launch_run=_render, launch_prog=parser.prog)
 
 
@@ -125,8 +153,15 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _render(args: argparse.Namespace) -> int:
-    script = render(args.strategy, args.nodes, args.ntasks_per_node, args.time,
-                    pp_size=args.pp_size, job_name=args.job_name, train_args=args.train_args)
+    script = render(
+        args.strategy,
+        args.nodes,
+        args.ntasks_per_node,
+        args.time,
+        pp_size=args.pp_size,
+        job_name=args.job_name,
+        train_args=args.train_args,
+    )
     if args.output is None:
         sys.stdout.write(script)
         return 0

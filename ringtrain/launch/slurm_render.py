@@ -43,9 +43,15 @@ def template_path(strategy: str, nodes: int) -> Path:
     return TEMPLATE_DIR / f"{strategy}.sbatch"
 
 
-def render(strategy: str, nodes: int, ntasks_per_node: int, time: str,
-           pp_size: int | None = None, job_name: str | None = None,
-           train_args: Sequence[str] = ()) -> str:
+def render(
+    strategy: str,
+    nodes: int,
+    ntasks_per_node: int,
+    time: str,
+    pp_size: int | None = None,
+    job_name: str | None = None,
+    train_args: Sequence[str] = (),
+) -> str:
     """The batch script for these settings; a bad value raises ValueError with one line."""
     template = template_path(strategy, nodes)
     _check_layout(strategy, nodes, ntasks_per_node, pp_size)
@@ -75,8 +81,9 @@ def _replace_value(script: str, prefix: str, value: str, template_name: str) -> 
     pattern = re.compile("^" + re.escape(prefix) + ".*$", re.MULTILINE)
     script, count = pattern.subn(lambda _: prefix + value, script)
     if count != 1:
-        raise ValueError(f"template {template_name} has {count} lines starting {prefix!r}, "
-                         "expected one")
+        raise ValueError(
+            f"template {template_name} has {count} lines starting {prefix!r}, expected one"
+        )
     return script
 
 
@@ -89,14 +96,18 @@ def _check_layout(strategy: str, nodes: int, ntasks_per_node: int, pp_size: int 
     if strategy == "data" and pp_size is not None:
         raise ValueError("--pp-size is for pipeline and hybrid; data parallelism has no stages")
     if strategy == "pipeline" and pp_size not in (None, tasks):
-        raise ValueError(f"--pp-size {pp_size}: pipeline makes every one of the {tasks} tasks a "
-                         "stage; use hybrid for several shorter pipelines")
+        raise ValueError(
+            f"--pp-size {pp_size}: pipeline makes every one of the {tasks} tasks a "
+            "stage; use hybrid for several shorter pipelines"
+        )
     if strategy == "hybrid":
         if pp_size is None:
             raise ValueError("hybrid needs --pp-size, the stages per pipeline replica")
         if pp_size < 1 or tasks % pp_size:
-            raise ValueError(f"--pp-size {pp_size} does not divide the {tasks} tasks "
-                             f"({nodes} node(s) x {ntasks_per_node})")
+            raise ValueError(
+                f"--pp-size {pp_size} does not divide the {tasks} tasks "
+                f"({nodes} node(s) x {ntasks_per_node})"
+            )
 
 
 def time_limit_seconds(text: str) -> int:

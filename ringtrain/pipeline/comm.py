@@ -42,8 +42,10 @@ class Link:
         pause = 0.0
         while not request.Test():
             if time.monotonic() > deadline:
-                self.abort(f"{self.name(peer)} went silent: no progress for {self.timeout:g} s "
-                           f"while waiting for {what}")
+                self.abort(
+                    f"{self.name(peer)} went silent: no progress for {self.timeout:g} s "
+                    f"while waiting for {what}"
+                )
             if pause:
                 time.sleep(pause)
             pause = min(0.001, pause * 2 or 0.00002)  # back off so a waiting rank frees its core

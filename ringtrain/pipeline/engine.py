@@ -45,9 +45,13 @@ class PipelineEngine:
         self.stages, self.replicas = self.grid.stages, self.grid.replicas
         self.stage, self.replica = self.grid.stage_of(world.rank), self.grid.replica_of(world.rank)
         self.pipe = world.comm.Split(color=self.replica, key=self.stage)
-        self.link = Link(self.pipe, cfg.comm_timeout, cfg.sync_sends,
-                         name=lambda s: f"stage {s} (rank {self.grid.pipeline_ranks(self.replica)[s]})")
-        self.world_link = Link(world.comm, cfg.comm_timeout, name=lambda r: f"rank {r}")
+        self.link = Link(
+            self.pipe,
+            cfg.comm_timeout,
+            cfg.sync_sends,
+            name=lambda s: self._who(self.grid.pipeline_ranks(self.replica)[s]),
+        )
+        self.world_link = Link(world.comm, cfg.comm_timeout, name=self._who)
         self.stage_set = world.process_sets[self.stage] if world.process_sets else None
         if cfg.strategy == "hybrid":
             log.info(self.grid.describe())
@@ -70,10 +74,19 @@ class PipelineEngine:
         slots = self.predicted.peak_inflight[self.stage]
         self.act_in = np.zeros((slots, self.mb_size, *shapes[first]), np.float32)
         self.grad_in = np.zeros((self.mb_size, *shapes[last]), np.float32)
-        self.dispatch = {"F": self._forward, "B": self._backward, "SEND_ACT": self._send_act,
-                         "RECV_ACT": self._recv_act, "SEND_GRAD": self._send_grad,
-                         "RECV_GRAD": self._recv_grad}
+        self.dispatch = {
+            "F": self._forward,
+            "B": self._backward,
+            "SEND_ACT": self._send_act,
+            "RECV_ACT": self._recv_act,
+            "SEND_GRAD": self._send_grad,
+            "RECV_GRAD": self._recv_grad,
+        }
         self.trace, self.step_index, self.peak_inflight = Trace(), 0, 0
+
+    def _who(self, rank: int) -> str:
+        """How errors name a peer: its stage, and its rank for finding the process."""
+        return f"stage {self.grid.stage_of(rank)} (rank {rank})"
 
     def _partition(self, spec: ModelSpec) -> list[tuple[int, int]]:
         method = self.cfg.partition
@@ -107,8 +120,9 @@ class PipelineEngine:
 
     def step(self, global_indices: np.ndarray) -> float:
         mine = shard(global_indices, self.replica, self.replicas)
-        self.microbatches = [shard(mine, m, self.cfg.microbatches)
-                             for m in range(self.cfg.microbatches)]
+        self.microbatches = [
+            shard(mine, m, self.cfg.microbatches) for m in range(self.cfg.microbatches)
+        ]
         self.grads = [tf.zeros_like(v) for v in self.variables]
         self.loss, self.inflight, self.outputs, self.input_grads = 0.0, {}, {}, {}
         for action in self.actions:
@@ -119,7 +133,7 @@ class PipelineEngine:
         grads = self._average_over_replicas(self.grads)
         grads = self._clip(grads)
         start = time.time()
-        self.optimizer.apply_gradients(zip(grads, self.variables))
+        self.optimizer.apply_gradients(zip(grads, self.variables, strict=True))
         self.trace.record(self.step_index, "UPDATE", -1, start)
         self.step_index += 1
         return self._loss_to_rank0()
@@ -148,8 +162,11 @@ class PipelineEngine:
         if self.world.rank == 0:
             total = 0.0
             for r in last_ranks:
-                total += value[0] if r == 0 else self.world_link.recv(
-                    np.empty(1), r, _tag(LOSS), "the step's loss")[0]
+                total += (
+                    value[0]
+                    if r == 0
+                    else self.world_link.recv(np.empty(1), r, _tag(LOSS), "the step's loss")[0]
+                )
             return total / self.replicas
         if self.last_stage:
             self.world_link.send(value, 0, _tag(LOSS), "the step's loss")
@@ -174,7 +191,7 @@ class PipelineEngine:
         sources = self.variables + ([] if self.first_stage else [x])
         upstream = None if self.last_stage else tf.constant(self.grad_in)
         grads = tape.gradient(out, sources, output_gradients=upstream)
-        self.grads = [a + g for a, g in zip(self.grads, grads[: len(self.variables)])]
+        self.grads = [a + g for a, g in zip(self.grads, grads[: len(self.variables)], strict=True)]
         if not self.first_stage:
             self.input_grads[mb] = grads[-1]
 
@@ -210,8 +227,9 @@ class PipelineEngine:
             if self.last_stage:
                 correct += int(np.sum(np.argmax(out, axis=-1) == self.data.y_test[idx]))
             else:
-                self.link.send(np.ascontiguousarray(out), self.stage + 1, _tag(EVAL),
-                               "evaluation activations")
+                self.link.send(
+                    np.ascontiguousarray(out), self.stage + 1, _tag(EVAL), "evaluation activations"
+                )
                 self.link.flush()
         total = len(mine) if self.last_stage else 0
         return count_accuracy(self.world.comm, correct, total)
@@ -231,7 +249,9 @@ class PipelineEngine:
         weights = dict(mine)
         for r in self.grid.pipeline_ranks(0)[1:]:
             size = self.world_link.recv(np.empty(1, np.int64), r, _tag(WEIGHTS), "weights")
-            header = self.world_link.recv(np.empty(int(size[0]), np.uint8), r, _tag(WEIGHTS), "weights")
+            header = self.world_link.recv(
+                np.empty(int(size[0]), np.uint8), r, _tag(WEIGHTS), "weights"
+            )
             names = json.loads(header.tobytes())
             flat = np.empty(sum(int(np.prod(s)) for _, s in names), np.float32)
             self.world_link.recv(flat, r, _tag(WEIGHTS), "weights")
@@ -254,11 +274,16 @@ class PipelineEngine:
         if self.cfg.gantt:
             from ringtrain.pipeline.gantt import draw_gantt
 
-            draw_gantt(timeline(rows, self.stages, self.step_index - 1), self.cfg.gantt,
-                       f"{self.cfg.schedule} P={self.stages} M={self.cfg.microbatches} (measured)")
+            draw_gantt(
+                timeline(rows, self.stages, self.step_index - 1),
+                self.cfg.gantt,
+                f"{self.cfg.schedule} P={self.stages} M={self.cfg.microbatches} (measured)",
+            )
         return {
-            "schedule": self.cfg.schedule, "microbatches": self.cfg.microbatches,
-            "pp_size": self.stages, "dp_size": self.replicas,
+            "schedule": self.cfg.schedule,
+            "microbatches": self.cfg.microbatches,
+            "pp_size": self.stages,
+            "dp_size": self.replicas,
             "partition": [list(b) for b in self.bounds],
             "bubble_measured": measured_bubble(rows, self.stages),
             "bubble_predicted": self.predicted.bubble,

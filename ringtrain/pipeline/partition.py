@@ -7,7 +7,7 @@ forward+backward time. The last two are the same min-max problem over a cost per
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import lru_cache
+from functools import cache
 
 
 def uniform(n_elements: int, stages: int) -> list[tuple[int, int]]:
@@ -28,7 +28,7 @@ def balanced(costs: Sequence[float], stages: int) -> list[tuple[int, int]]:
     for c in costs:
         prefix.append(prefix[-1] + c)
 
-    @lru_cache(maxsize=None)
+    @cache
     def best(start: int, parts: int) -> tuple[float, tuple[int, ...]]:
         if parts == 1:
             return prefix[n] - prefix[start], (n,)
@@ -40,7 +40,7 @@ def balanced(costs: Sequence[float], stages: int) -> list[tuple[int, int]]:
 
     _, cuts = best(0, stages)
     starts = (0, *cuts[:-1])
-    return list(zip(starts, cuts))
+    return list(zip(starts, cuts, strict=True))
 
 
 def describe(bounds: Sequence[tuple[int, int]], costs: Sequence[float] | None = None) -> str:

@@ -65,7 +65,7 @@ def measured_bubble(rows: np.ndarray, stages: int, skip_first: bool = True) -> f
 def timeline(rows: np.ndarray, stages: int, step: int, replica: int = 0) -> list[list]:
     """(label, start, end) per stage for one step of one replica: what draw_gantt takes."""
     lanes: list[list] = [[] for _ in range(stages)]
-    for s, op, mb, start, end, rank in rows[rows[:, 0] == step]:
+    for _step, op, mb, start, end, rank in rows[rows[:, 0] == step]:
         if int(rank) // stages == replica and OPS[int(op)] in COMPUTE:
             lanes[int(rank) % stages].append((f"{OPS[int(op)]}{int(mb)}", start, end))
     return lanes
@@ -75,9 +75,16 @@ def write_chrome_trace(rows: np.ndarray, stages: int, path: str) -> None:
     """chrome://tracing / Perfetto format: one process per replica, one thread per stage."""
     t0 = rows[:, 3].min()
     events = [
-        {"name": f"{OPS[int(op)]}{int(mb) if int(mb) >= 0 else ''}", "ph": "X", "cat": "step",
-         "ts": (start - t0) * 1e6, "dur": (end - start) * 1e6, "pid": int(rank) // stages,
-         "tid": int(rank) % stages, "args": {"step": int(step), "rank": int(rank)}}
+        {
+            "name": f"{OPS[int(op)]}{int(mb) if int(mb) >= 0 else ''}",
+            "ph": "X",
+            "cat": "step",
+            "ts": (start - t0) * 1e6,
+            "dur": (end - start) * 1e6,
+            "pid": int(rank) // stages,
+            "tid": int(rank) % stages,
+            "args": {"step": int(step), "rank": int(rank)},
+        }
         for step, op, mb, start, end, rank in rows
     ]
     with open(path, "w") as out:

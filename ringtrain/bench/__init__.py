@@ -1,0 +1,1 @@
+"""Benchmarks: contenders alternate in rounds inside one run; medians, ranges and ratios."""
