@@ -147,7 +147,6 @@ def run_doctor(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from ringtrain.bench import pipeline_bench
-    from ringtrain.bench import pipeline_bench
     from ringtrain.launch import launch_cli
     from ringtrain.pipeline import schedule_cli
 
