@@ -59,8 +59,10 @@ def train(spec: ModelSpec, data: Dataset, cfg: TrainConfig) -> TrainResult:
         metrics, weights = fit(spec, data, cfg, world)
     else:
         engine, replicas = _engine(spec, data, cfg, world)
-        metrics = loop.run(engine, data, cfg, world.size, replicas)
+        metrics = loop.run(engine, data, cfg, world, replicas)
         weights = engine.gather_weights()
+    if not metrics.get("finished", True):
+        return TrainResult(metrics, None)
     if world.rank == 0:
         if cfg.weights_out:
             save_npz(cfg.weights_out, weights)

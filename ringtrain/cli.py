@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from ringtrain.errors import EXIT_USAGE, UserError, report
+from ringtrain.errors import EXIT_CHECKPOINTED, EXIT_FAILURE, EXIT_USAGE, UserError, report
 
 PROG = "ringtrain"
 
@@ -77,6 +77,24 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="synchronous sends (Ssend): proves the schedule needs no MPI buffering",
     )
+    p.add_argument("--checkpoint-dir", help="write checkpoints here (atomic, with a manifest)")
+    p.add_argument(
+        "--checkpoint-every",
+        type=_positive_int,
+        default=0,
+        help="steps between checkpoints (default: only at a stop and at the end)",
+    )
+    p.add_argument("--keep", type=_positive_int, default=3, help="complete checkpoints kept")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest complete checkpoint (none: start afresh)",
+    )
+    p.add_argument(
+        "--stop-after",
+        type=_positive_int,
+        help="checkpoint and stop after step N (exit 75), --steps unchanged",
+    )
     p.add_argument("--synthetic-size", type=_positive_int, default=2048)
     p.add_argument("--synthetic-shape", default="8,8,1", help="e.g. 32,32,3")
     p.add_argument("--metrics-out", help="rank 0 writes metrics JSON here")
@@ -119,6 +137,11 @@ def config_from_args(args: argparse.Namespace):
         weights_out=args.weights_out,
         trace=args.trace,
         gantt=args.gantt,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        keep=args.keep,
+        resume=args.resume,
+        stop_after=args.stop_after,
         synthetic_size=args.synthetic_size,
         synthetic_shape=shape,
     )
@@ -135,8 +158,11 @@ def run_train(args: argparse.Namespace) -> int:
     from ringtrain.models import BUILTIN
 
     data = load_dataset(cfg.dataset, cfg.seed, cfg.synthetic_size, cfg.synthetic_shape)
-    train(BUILTIN[cfg.model](data.input_shape, data.n_classes), data, cfg)
-    return 0
+    result = train(BUILTIN[cfg.model](data.input_shape, data.n_classes), data, cfg)
+    if result.metrics.get("finished", True):
+        return 0
+    # Not finished: 75 means "checkpointed, resume me"; without a checkpoint it is a failure.
+    return EXIT_CHECKPOINTED if cfg.checkpoint_dir else EXIT_FAILURE
 
 
 def run_doctor(args: argparse.Namespace) -> int:

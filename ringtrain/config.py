@@ -51,7 +51,11 @@ class TrainConfig:
     gantt: str | None = None
     synthetic_size: int = 2048
     synthetic_shape: tuple[int, ...] = field(default=(8, 8, 1))
-    log_every: int = 0
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0  # steps; 0 saves only when stopping and at the end
+    keep: int = 3
+    resume: bool = False
+    stop_after: int | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -146,7 +150,37 @@ def validate(cfg: TrainConfig, world_size: int, n_elements: int | None = None) -
         raise UserError(
             f"batch {per_replica} per rank is not divisible by --accumulate {cfg.accumulate}"
         )
+    _validate_checkpointing(cfg)
     _writable_file("--metrics-out", cfg.metrics_out)
     _writable_file("--weights-out", cfg.weights_out)
     _writable_file("--trace", cfg.trace)
     _writable_file("--gantt", cfg.gantt)
+
+
+def _validate_checkpointing(cfg: TrainConfig) -> None:
+    if cfg.checkpoint_every < 0:
+        raise UserError(f"--checkpoint-every must not be negative, got {cfg.checkpoint_every}")
+    if cfg.keep < 1:
+        raise UserError(f"--keep must be at least 1, got {cfg.keep}")
+    if cfg.stop_after is not None and cfg.stop_after < 1:
+        raise UserError(f"--stop-after must be at least 1, got {cfg.stop_after}")
+    needs_dir = [
+        f
+        for f, on in (
+            ("--resume", cfg.resume),
+            ("--stop-after", cfg.stop_after),
+            ("--checkpoint-every", cfg.checkpoint_every),
+        )
+        if on
+    ]
+    if needs_dir and not cfg.checkpoint_dir:
+        raise UserError(f"{needs_dir[0]} needs --checkpoint-dir DIR")
+    if cfg.checkpoint_dir and cfg.loop == "fit":
+        raise UserError("--checkpoint-dir needs --loop custom (model.fit keeps its own loop)")
+    if cfg.checkpoint_dir:
+        folder = os.path.abspath(cfg.checkpoint_dir)
+        if os.path.exists(folder) and not os.path.isdir(folder):
+            raise UserError(f"--checkpoint-dir {cfg.checkpoint_dir} is a file, not a folder")
+        _writable_file(
+            "--checkpoint-dir", os.path.join(folder, "x") if os.path.isdir(folder) else folder
+        )

@@ -33,7 +33,7 @@ def single_process(cfg: TrainConfig, world: runtime.World) -> tuple[dict, list[f
         cfg, strategy="single", microbatches=1, accumulate=1, fp16_allreduce=False, pp_size=None
     )
     engine = DataParallelEngine(spec_of(ref), DATA, ref, alone)
-    metrics = loop.run(engine, DATA, ref, 1, 1)
+    metrics = loop.run(engine, DATA, ref, alone, 1)
     return named_weights(engine.elements), metrics["losses"]
 
 
@@ -57,7 +57,7 @@ def run_strategy(cfg: TrainConfig, world: runtime.World):
 
         engine = PipelineEngine(spec_of(cfg), DATA, cfg, world)
         replicas = engine.grid.replicas
-    metrics = loop.run(engine, DATA, cfg, world.size, replicas)
+    metrics = loop.run(engine, DATA, cfg, world, replicas)
     return metrics, engine.gather_weights()
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from ringtrain.checkpoint import Checkpointable
 from ringtrain.config import TrainConfig
 from ringtrain.data import Dataset, shard
 from ringtrain.dataparallel.collectives import average_gradients, broadcast_state
@@ -16,7 +17,7 @@ from ringtrain.runtime import World
 from ringtrain.weights import named_weights, replica_checksums
 
 
-class DataParallelEngine:
+class DataParallelEngine(Checkpointable):
     """Every rank holds the whole model and trains on its slice of each global batch."""
 
     def __init__(self, spec: ModelSpec, data: Dataset, cfg: TrainConfig, world: World):
@@ -68,6 +69,16 @@ class DataParallelEngine:
     def gather_weights(self) -> dict[str, np.ndarray] | None:
         """Replicas are identical, so rank 0's copy is the model."""
         return named_weights(self.elements) if self.world.rank == 0 else None
+
+    def layout(self) -> dict:
+        return {"layout": "whole model"}
+
+    def checkpoint_part(self) -> str | None:
+        """Replicas are identical, so rank 0 alone writes."""
+        return "model" if self.world.rank == 0 else None
+
+    def read_part(self) -> str:
+        return "model"
 
     def extra_metrics(self) -> dict:
         return {"replica_checksums": replica_checksums(self.world.comm, self.variables)}

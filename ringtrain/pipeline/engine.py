@@ -14,6 +14,8 @@ import numpy as np
 import tensorflow as tf
 
 from ringtrain import log
+from ringtrain.checkpoint import Checkpointable
+from ringtrain.comm import Link
 from ringtrain.config import TrainConfig, pipeline_stages
 from ringtrain.data import Dataset, shard
 from ringtrain.dataparallel.collectives import average_gradients
@@ -21,7 +23,6 @@ from ringtrain.evaluate import count_accuracy
 from ringtrain.models import ModelSpec, forward, loss_fn, trainable_variables
 from ringtrain.optim import make_optimizer
 from ringtrain.pipeline import partition
-from ringtrain.pipeline.comm import Link
 from ringtrain.pipeline.grid import Grid
 from ringtrain.pipeline.schedule import build_schedule
 from ringtrain.pipeline.simulate import simulate
@@ -36,7 +37,7 @@ def _tag(kind: int, mb: int = 0) -> int:
     return 8 * mb + kind
 
 
-class PipelineEngine:
+class PipelineEngine(Checkpointable):
     """One stage of one pipeline replica."""
 
     def __init__(self, spec: ModelSpec, data: Dataset, cfg: TrainConfig, world: World):
@@ -261,6 +262,20 @@ class PipelineEngine:
                 weights[name] = flat[offset : offset + n].reshape(shape)
                 offset += n
         return {k: weights[k] for k in sorted(weights)}
+
+    def layout(self) -> dict:
+        return {
+            "layout": "stages",
+            "stages": self.stages,
+            "partition": [list(b) for b in self.bounds],
+        }
+
+    def checkpoint_part(self) -> str | None:
+        """One replica per stage writes; the others hold the same weights."""
+        return f"stage{self.stage}" if self.replica == 0 else None
+
+    def read_part(self) -> str:
+        return f"stage{self.stage}"
 
     def extra_metrics(self) -> dict:
         rows = self.trace.gather(self.world.comm)

@@ -37,13 +37,15 @@ class Link:
             self.wait(request, dest, f"{what} to be received")
         self.pending.clear()
 
-    def wait(self, request, peer: int, what: str) -> None:
+    def wait(self, request, peer: int | None, what: str) -> None:
+        """Poll until done; past the deadline abort the job, naming the peer (if one is known)."""
+        who = self.name(peer) if peer is not None else "a rank"
         deadline = time.monotonic() + self.timeout
         pause = 0.0
         while not request.Test():
             if time.monotonic() > deadline:
                 self.abort(
-                    f"{self.name(peer)} went silent: no progress for {self.timeout:g} s "
+                    f"{who} went silent: no progress for {self.timeout:g} s "
                     f"while waiting for {what}"
                 )
             if pause:

@@ -1,0 +1,227 @@
+"""Checkpoints on disk: npz parts plus a JSON manifest written last, nothing unpickled.
+
+Layout: DIR/step-00000012/{<part>.npz, manifest.json}. Each part is written to a temporary
+name, fsynced and renamed; the manifest names every part with its SHA-256 and is itself written
+atomically, so a checkpoint without a manifest is an interrupted write, never a torn one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import zipfile
+
+import numpy as np
+
+from ringtrain.errors import UserError
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step-{step:08d}")
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: str, write) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as out:
+        write(out)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path))
+
+
+def sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_part(root: str, step: int, part: str, arrays: dict[str, np.ndarray]) -> str:
+    """Write one rank's part; returns its SHA-256 for the manifest."""
+    folder = step_dir(root, step)
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"{part}.npz")
+    _atomic_write(path, lambda out: np.savez(out, **arrays))
+    return sha256(path)
+
+
+def write_manifest(root: str, step: int, parts: dict[str, str], meta: dict) -> None:
+    """The commit point: a checkpoint counts only once this file names all its parts."""
+    body = {"format": FORMAT, "step": step, "parts": parts, **meta}
+    path = os.path.join(step_dir(root, step), MANIFEST)
+    _atomic_write(path, lambda out: out.write(json.dumps(body, indent=1).encode()))
+
+
+def prune(root: str, keep: int) -> None:
+    """Keep the newest `keep` complete checkpoints; interrupted writes older than them go too."""
+    steps = sorted(_step_dirs(root), reverse=True)
+    complete = [s for s in steps if os.path.exists(os.path.join(step_dir(root, s), MANIFEST))]
+    if len(complete) <= keep:
+        return
+    oldest_kept = complete[keep - 1]
+    for s in steps:
+        if s < oldest_kept:
+            shutil.rmtree(step_dir(root, s), ignore_errors=True)
+
+
+def _step_dirs(root: str) -> list[int]:
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        if name.startswith("step-") and name[5:].isdigit():
+            found.append(int(name[5:]))
+    return found
+
+
+def latest(root: str) -> dict | None:
+    """The newest complete checkpoint's manifest, verified; None if there is none.
+
+    A folder without a manifest is an interrupted write and is passed over. A manifest that is
+    unreadable, or names a missing or altered part, is corruption: that is an error, because
+    silently training on from an older state would hide it.
+    """
+    for step in sorted(_step_dirs(root), reverse=True):
+        folder = step_dir(root, step)
+        path = os.path.join(folder, MANIFEST)
+        if not os.path.exists(path):
+            continue
+        try:
+            with open(path) as f:
+                manifest = json.load(f)
+            parts = dict(manifest["parts"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise UserError(f"checkpoint {folder}: unreadable manifest ({exc})") from None
+        if manifest.get("format") != FORMAT:
+            raise UserError(f"checkpoint {folder}: format {manifest.get('format')} is not {FORMAT}")
+        for part, digest in parts.items():
+            part_path = os.path.join(folder, f"{part}.npz")
+            if not os.path.exists(part_path):
+                raise UserError(
+                    f"checkpoint {folder}: manifest names part {part}, which is missing"
+                )
+            if sha256(part_path) != digest:
+                raise UserError(
+                    f"checkpoint {folder}: part {part} is corrupted (checksum mismatch)"
+                )
+        manifest["folder"] = folder
+        return manifest
+    return None
+
+
+def read_part(manifest: dict, part: str) -> dict[str, np.ndarray]:
+    path = os.path.join(manifest["folder"], f"{part}.npz")
+    if part not in manifest["parts"]:
+        raise UserError(f"checkpoint {manifest['folder']} has no part {part}")
+    try:
+        with np.load(path, allow_pickle=False) as stored:
+            return {k: stored[k] for k in stored.files}
+    except (OSError, ValueError, zipfile.BadZipFile) as exc:
+        raise UserError(f"checkpoint {path} cannot be read ({exc})") from None
+
+
+class RunCheckpoints:
+    """Saving and resuming one run: who writes which part, and whether a checkpoint fits.
+
+    The engine names the part this rank writes (or None) and the part it reads, and what its
+    layout is; replicas that hold the same weights read the same part.
+    """
+
+    def __init__(self, cfg, world, engine):
+        self.cfg, self.world, self.engine = cfg, world, engine
+        self.identity = {
+            "model": cfg.model,
+            "optimizer": cfg.optimizer,
+            "batch_size": cfg.batch_size,
+            "seed": cfg.seed,
+            "dataset": cfg.dataset,
+            **engine.layout(),
+        }
+
+    def save(self, step: int, epoch: int, losses: list[float]) -> None:
+        part = self.engine.checkpoint_part()
+        digest = (
+            write_part(self.cfg.checkpoint_dir, step, part, self.engine.state()) if part else ""
+        )
+        entry = np.frombuffer(f"{part or '':<32}{digest:<64}".encode(), np.uint8)
+        gathered = np.empty(96 * self.world.size, np.uint8) if self.world.rank == 0 else None
+        self.world.comm.Gather(np.ascontiguousarray(entry), gathered, root=0)
+        if self.world.rank != 0:
+            return
+        rows = [gathered[i : i + 96].tobytes().decode() for i in range(0, len(gathered), 96)]
+        parts = {r[:32].strip(): r[32:].strip() for r in rows if r[:32].strip()}
+        if os.environ.get("RINGTRAIN_TEST_CRASH_BEFORE_MANIFEST"):
+            os._exit(9)  # fault injection for the crash-safety test: parts written, no manifest
+        meta = {
+            "epoch": epoch,
+            "losses": losses,
+            "identity": self.identity,
+            "strategy": self.cfg.strategy,
+            "world_size": self.world.size,
+        }
+        write_manifest(self.cfg.checkpoint_dir, step, parts, meta)
+        prune(self.cfg.checkpoint_dir, self.cfg.keep)
+
+    def restore(self) -> tuple[int, list[float]]:
+        """(first step to run, losses so far): (0, []) when the folder holds no checkpoint."""
+        manifest = latest(self.cfg.checkpoint_dir)
+        if manifest is None:
+            return 0, []
+        theirs = manifest.get("identity", {})
+        for key, mine in self.identity.items():
+            if theirs.get(key) != mine:
+                raise UserError(
+                    f"checkpoint {manifest['folder']} does not fit this run: {key} is "
+                    f"{theirs.get(key)!r} there and {mine!r} here (written by --strategy "
+                    f"{manifest.get('strategy')} on {manifest.get('world_size')} rank(s))"
+                )
+        state = read_part(manifest, self.engine.read_part())
+        self.engine.load_state(state)
+        return int(manifest["step"]), [float(x) for x in manifest.get("losses", [])]
+
+
+def training_state(variables, optimizer) -> dict[str, np.ndarray]:
+    """Weights by stable name, and the optimizer's variables (slots, step count) by position."""
+    state = {f"weights/{v.path}": np.asarray(v.numpy()) for v in variables}
+    state |= {
+        f"optimizer/{i:04d}": np.asarray(v.numpy()) for i, v in enumerate(optimizer.variables)
+    }
+    return state
+
+
+def load_training_state(variables, optimizer, state: dict[str, np.ndarray]) -> None:
+    expected = training_state(variables, optimizer)
+    if expected.keys() != state.keys():
+        missing = sorted(expected.keys() - state.keys())[:3]
+        raise UserError(f"checkpoint does not match this model (missing {missing})")
+    pairs = [(f"weights/{v.path}", v) for v in variables]
+    pairs += [(f"optimizer/{i:04d}", v) for i, v in enumerate(optimizer.variables)]
+    for key, v in pairs:
+        if tuple(state[key].shape) != tuple(v.shape):
+            raise UserError(f"checkpoint holds {key} of shape {state[key].shape}, not {v.shape}")
+        v.assign(state[key])
+
+
+class Checkpointable:
+    """For engines holding `variables` and `optimizer`: their state as checkpoint arrays."""
+
+    def state(self) -> dict[str, np.ndarray]:
+        return training_state(self.variables, self.optimizer)
+
+    def load_state(self, state: dict[str, np.ndarray]) -> None:
+        load_training_state(self.variables, self.optimizer, state)

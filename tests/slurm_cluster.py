@@ -1,0 +1,363 @@
+"""A real single-node Slurm (Debian's munged, slurmctld and slurmd) under a temporary folder.
+
+The templates in slurm/ are only proven by running them under the scheduler they are written
+for: sbatch copies the script, sets the SLURM_* variables, delivers --signal and requeues.
+This starts the daemons for a test session, gives client commands (sbatch, srun, scontrol)
+an environment that points at them, and stops everything it started by PID, even when a
+test failed. The recipe it follows is /work/shared/SLURM.md.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+NODE = "localhost"
+# Job states after which the job never runs again; COMPLETING is a flag on top of one of these.
+FINAL_STATES = frozenset(
+    {
+        "BOOT_FAIL",
+        "CANCELLED",
+        "COMPLETED",
+        "DEADLINE",
+        "FAILED",
+        "NODE_FAIL",
+        "OUT_OF_MEMORY",
+        "PREEMPTED",
+        "TIMEOUT",
+    }
+)
+DAEMONS = ("slurmd", "slurmctld", "munged")  # stop order: the node, the controller, then auth
+# Seconds before a requeued job may start again: Slurm 22.05 holds it for the step credential's
+# lifetime plus one (AuthInfo cred_expire, default 120, minimum 5), so the slurmd has purged the
+# old credential before the new launch. 5 keeps a preemption test's restart to about 6 s.
+CRED_EXPIRE = 5
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now, so concurrent test sessions do not collide."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """What `scontrol show job` says about a job that will not run again."""
+
+    job_id: int
+    state: str
+    exit_code: int
+    signal: int
+    restarts: int
+    fields: Mapping[str, str]
+
+
+class SlurmError(RuntimeError):
+    """The test cluster did not start, or a job did not reach a final state in time."""
+
+
+class SlurmCluster:
+    """One slurmctld, one slurmd (node `localhost`, CPUs=8 on any core count) and a munged.
+
+    Use it as a context manager, or call start() and stop() yourself; stop() is safe to call
+    after a failed or partial start.
+    """
+
+    def __init__(self, base_env: Mapping[str, str], root: Path | None = None) -> None:
+        # A short root: slurmd and PMIx put UNIX sockets under it, and their paths must stay
+        # below 108 bytes; pytest's tmp_path is long. /tmp is a+x all the way, as munged wants.
+        self.root = Path(root or tempfile.mkdtemp(prefix="rt-slurm-"))
+        self.conf = self.root / "etc" / "slurm.conf"
+        self.ctld_port = free_port()
+        self.slurmd_port = free_port()
+        while self.slurmd_port == self.ctld_port:
+            self.slurmd_port = free_port()
+        # Client commands (and the jobs, which inherit sbatch's environment) find this cluster
+        # through SLURM_CONF; variables of an enclosing job would confuse sbatch and srun.
+        self.env = {
+            k: v
+            for k, v in base_env.items()
+            if not k.startswith(("SLURM_", "SBATCH_", "SALLOC_", "SRUN_"))
+        }
+        self.env["SLURM_CONF"] = str(self.conf)
+        self.pids: dict[str, int] = {}
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def __enter__(self) -> SlurmCluster:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self, timeout: float = 60) -> None:
+        """Write the configuration, start the three daemons, and wait until the node is idle."""
+        for sub in ("etc", "state", "spool", "log", "run", "munge", "tmp"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        self.root.chmod(0o755)
+        (self.root / "munge").chmod(0o755)
+        key = self.root / "munge" / "munge.key"
+        key.write_bytes(os.urandom(1024))
+        key.chmod(0o400)
+        self.conf.write_text(self.slurm_conf())
+        munge = self.root / "munge"
+        self._start_daemon(
+            "munged",
+            [
+                "munged",
+                f"--socket={munge / 'munge.socket'}",
+                f"--key-file={key}",
+                f"--log-file={munge / 'munged.log'}",
+                f"--pid-file={munge / 'munged.pid'}",
+                f"--seed-file={munge / 'munged.seed'}",
+            ],
+            munge / "munged.pid",
+        )
+        self._start_daemon(
+            "slurmctld", ["slurmctld", "-f", str(self.conf)], self.root / "run" / "slurmctld.pid"
+        )
+        self._start_daemon(
+            "slurmd", ["slurmd", "-f", str(self.conf), "-N", NODE], self.root / "run" / "slurmd.pid"
+        )
+        deadline = time.monotonic() + timeout
+        state = ""
+        while time.monotonic() < deadline:
+            state = self.client(["sinfo", "-h", "-N", "-n", NODE, "-o", "%t"], check=False)
+            if state.stdout.strip() == "idle":
+                return
+            time.sleep(0.2)
+        raise SlurmError(f"node not idle after {timeout} s (sinfo: {state!r})\n{self.logs()}")
+
+    def stop(self, timeout: float = 30) -> None:
+        """Cancel every job, wait for the queue to drain, then end the daemons by PID.
+
+        Killing slurmd does not end running steps, so the jobs go first; whatever still carries
+        this cluster's SLURM_CONF afterwards (a stuck step, a rank) is killed by PID too.
+        """
+        if self.pids.get("slurmctld"):
+            self._drain(timeout)
+        for name in DAEMONS:
+            pid = self.pids.get(name)
+            if pid:
+                _signal(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_alive(p) for p in self.pids.values()):
+            time.sleep(0.1)
+        for pid in self.pids.values():
+            if _alive(pid):
+                _signal(pid, signal.SIGKILL)
+        for pid in self._leftover_pids():
+            _signal(pid, signal.SIGKILL)
+        self.pids.clear()
+
+    def _drain(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            queue = self.client(["squeue", "-h", "-o", "%i"], check=False, timeout=10)
+            jobs = queue.stdout.split()
+            if queue.returncode == 0 and not jobs:
+                return
+            if jobs:
+                self.client(["scancel", "--full", *jobs], check=False, timeout=10)
+            time.sleep(0.5)
+
+    def _leftover_pids(self) -> list[int]:
+        """Processes started by this cluster: they carry its SLURM_CONF in their environment."""
+        marker = f"SLURM_CONF={self.conf}".encode()
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            try:
+                environ = (entry / "environ").read_bytes()
+            except OSError:
+                continue
+            if marker in environ.split(b"\0"):
+                found.append(int(entry.name))
+        return found
+
+    def _start_daemon(self, name: str, argv: list[str], pid_file: Path) -> None:
+        """Every daemon forks into the background by itself; its PID comes from its PID file."""
+        env = {**self.env, "PATH": f"/usr/sbin:/sbin:{self.env.get('PATH', '')}"}
+        with open(self.root / "log" / f"{name}.start", "w") as out:
+            done = subprocess.run(
+                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env, timeout=30
+            )
+        if done.returncode != 0:
+            raise SlurmError(f"{name} exited {done.returncode}\n{self.logs()}")
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            text = pid_file.read_text().strip() if pid_file.exists() else ""
+            if text.isdigit():
+                self.pids[name] = int(text)
+                return
+            time.sleep(0.05)
+        raise SlurmError(f"{name} wrote no PID file {pid_file}\n{self.logs()}")
+
+    # --- configuration -----------------------------------------------------------------------
+
+    def slurm_conf(self) -> str:
+        """The whole slurm.conf; see /work/shared/SLURM.md for why each key is there."""
+        t = self.root
+        # Jobs of concurrent test sessions must not share /tmp/spmix_appdir_<uid>_<job>.<step>
+        # (PMIx puts it under TmpFS) nor Open MPI session names, so job ids start at random.
+        first_job_id = 1000 + int.from_bytes(os.urandom(3), "big") % 1_000_000
+        return f"""\
+ClusterName=ringtrain
+SlurmctldHost={NODE}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={t}/munge/munge.socket,cred_expire={CRED_EXPIRE}
+SlurmctldPort={self.ctld_port}
+SlurmdPort={self.slurmd_port}
+StateSaveLocation={t}/state
+SlurmdSpoolDir={t}/spool
+TmpFS={t}/tmp
+SlurmctldPidFile={t}/run/slurmctld.pid
+SlurmdPidFile={t}/run/slurmd.pid
+SlurmctldLogFile={t}/log/slurmctld.log
+SlurmdLogFile={t}/log/slurmd.log
+MailProg=/bin/true
+MpiDefault=pmix
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+SchedulerType=sched/backfill
+SchedulerParameters=batch_sched_delay=0,sched_interval=2,bf_interval=1
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+ReturnToService=2
+EnforcePartLimits=ALL
+SlurmdParameters=config_overrides
+FirstJobId={first_job_id}
+KillWait=2
+InactiveLimit=0
+MinJobAge=5
+NodeName={NODE} NodeAddr=127.0.0.1 CPUs=8 State=UNKNOWN
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+"""
+
+    # --- clients -----------------------------------------------------------------------------
+
+    def client(
+        self,
+        argv: Sequence[str],
+        *,
+        check: bool = True,
+        timeout: float = 30,
+        cwd: Path | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> subprocess.CompletedProcess:
+        """Run a Slurm client command (or anything) against this cluster."""
+        done = subprocess.run(
+            list(argv),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=cwd,
+            env={**self.env, **(env or {})},
+        )
+        if check and done.returncode != 0:
+            raise SlurmError(f"{' '.join(argv)} exited {done.returncode}: {done.stderr.strip()}")
+        return done
+
+    def sbatch_wait(
+        self,
+        argv: Sequence[str],
+        *,
+        cwd: Path,
+        timeout: float = 180,
+        env: Mapping[str, str] | None = None,
+    ) -> tuple[int, subprocess.CompletedProcess]:
+        """`sbatch --wait --parsable ARGV`: (job id, the finished sbatch). sbatch's own exit code
+        is not the whole story (a job cancelled while pending gives 0), so read the record too."""
+        done = self.client(
+            ["sbatch", "--wait", "--parsable", *argv],
+            check=False,
+            timeout=timeout,
+            cwd=cwd,
+            env=env,
+        )
+        match = re.match(r"\s*(\d+)", done.stdout)
+        if not match:
+            raise SlurmError(f"sbatch printed no job id (exit {done.returncode}): {done.stderr}")
+        return int(match.group(1)), done
+
+    def job_fields(self, job_id: int) -> dict[str, str] | None:
+        """`scontrol show job` as a dict, or None once the record is gone (MinJobAge)."""
+        done = self.client(["scontrol", "show", "job", "-o", str(job_id)], check=False)
+        if done.returncode != 0:
+            if "Invalid job id" in done.stderr:
+                return None
+            raise SlurmError(f"scontrol show job {job_id}: {done.stderr.strip()}")
+        return dict(re.findall(r"(\w+)=(\S*)", done.stdout))
+
+    def final_record(self, job_id: int, timeout: float = 60) -> JobRecord:
+        """Poll until the job is in a final state and no longer completing. There is no
+        accounting here, so this must run while MinJobAge still keeps the record."""
+        deadline = time.monotonic() + timeout
+        fields: dict[str, str] | None = None
+        while time.monotonic() < deadline:
+            fields = self.job_fields(job_id)
+            if fields is None:
+                raise SlurmError(f"job {job_id} has no record (purged after MinJobAge)")
+            if fields.get("JobState") in FINAL_STATES:
+                code, _, sig = fields.get("ExitCode", "").partition(":")
+                return JobRecord(
+                    job_id,
+                    fields["JobState"],
+                    int(code or -1),
+                    int(sig or 0),
+                    int(fields.get("Restarts", "0")),
+                    fields,
+                )
+            time.sleep(0.2)
+        raise SlurmError(f"job {job_id} not finished after {timeout} s: {fields}")
+
+    def logs(self, tail: int = 40) -> str:
+        """The last lines of every daemon log, for a failure message."""
+        parts = []
+        for log in sorted(self.root.glob("log/*")) + [self.root / "munge" / "munged.log"]:
+            if log.exists():
+                lines = log.read_text(errors="replace").splitlines()[-tail:]
+                parts.append(f"--- {log.name}\n" + "\n".join(lines))
+        return "\n".join(parts)
+
+    def remove(self) -> None:
+        """Delete the cluster's folder (configuration, state, logs)."""
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    """Running, and not a zombie: a daemon's parent is init, which may not reap at once."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
