@@ -35,14 +35,27 @@ def ringtrain(*args: str, ranks: int | None = None, timeout: float = 300):
     return run(cli if ranks is None else [*MPIRUN, str(ranks), *cli], timeout=timeout)
 
 
-def mpi_checks(suite: str, ranks: int) -> list[dict]:
-    """One mpirun that checks many configurations inside the ranks (tests/mpi_checks.py)."""
+def mpi_checks(suite: str, ranks: int, resume_dir: Path | None = None) -> list[dict]:
+    """One mpirun that checks many configurations inside the ranks (tests/mpi_checks.py);
+    with resume_dir it also checks stop-and-resume against uninterrupted runs there."""
+    script = [sys.executable, str(ROOT / "tests" / "mpi_checks.py"), suite]
     done = run(
-        [*MPIRUN, str(ranks), sys.executable, str(ROOT / "tests" / "mpi_checks.py"), suite],
-        timeout=900,
+        [*MPIRUN, str(ranks), *script, *([str(resume_dir)] if resume_dir else [])], timeout=900
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def assert_exact_resume(checks: list[dict], expected: bool) -> None:
+    """S steps == S/2 steps, checkpoint, stop, resume to S: losses and weights, SGD and Adam."""
+    if not expected:
+        assert checks == []
+        return
+    assert sorted(c["optimizer"] for c in checks) == ["adam", "sgd"]
+    for c in checks:
+        assert c["stopped_finished"] is False and c["stopped_steps"] == 3, c
+        assert c["steps"] == [6, 6], c
+        assert c["rel_diff"] <= 1e-6 and c["loss_diff"] <= 1e-6, c
 
 
 def load_npz(path: Path) -> dict[str, np.ndarray]:

@@ -149,6 +149,46 @@ def configs(suite: str) -> list[TrainConfig]:
     return [with_lr(cfg) for cfg in out]
 
 
+def resume_checks(suite: str, world: runtime.World, folder: str) -> None:
+    """Train S steps; then S/2, checkpoint, stop; then resume in fresh engines to S: equal."""
+    strategy = {"data": "data", "pipeline": "pipeline", "hybrid": "hybrid"}[suite]
+    for opt in ("sgd", "adam"):
+        cfg = with_lr(
+            TrainConfig(
+                strategy=strategy,
+                model="mlp",
+                optimizer=opt,
+                batch_size=48,
+                steps=6,
+                seed=5,
+                microbatches=1 if suite == "data" else 4,
+                pp_size=2 if suite == "hybrid" else None,
+            )
+        )
+        full, full_weights = run_strategy(cfg, world)
+        ckpt = replace(cfg, checkpoint_dir=f"{folder}/{suite}-{opt}")
+        stopped, _ = run_strategy(replace(ckpt, stop_after=3), world)
+        resumed, weights = run_strategy(replace(ckpt, resume=True), world)
+        if world.rank == 0:
+            print(
+                json.dumps(
+                    {
+                        "check": "resume",
+                        "suite": suite,
+                        "optimizer": opt,
+                        "stopped_finished": stopped["finished"],
+                        "stopped_steps": stopped["steps"],
+                        "rel_diff": relative_difference(weights, full_weights),
+                        "loss_diff": float(
+                            np.max(np.abs(np.array(resumed["losses"]) - np.array(full["losses"])))
+                        ),
+                        "steps": [full["steps"], resumed["steps"]],
+                    }
+                ),
+                flush=True,
+            )
+
+
 def main() -> None:
     suite = sys.argv[1]
     from ringtrain.launch.env import who_am_i
@@ -199,6 +239,8 @@ def main() -> None:
                 ),
                 flush=True,
             )
+    if len(sys.argv) > 2:
+        resume_checks(suite, world, sys.argv[2])
 
 
 if __name__ == "__main__":

@@ -5,7 +5,15 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import REFERENCE_FLAGS, load_npz, mpi_checks, one_line_error, ringtrain, run
+from conftest import (
+    REFERENCE_FLAGS,
+    assert_exact_resume,
+    load_npz,
+    mpi_checks,
+    one_line_error,
+    ringtrain,
+    run,
+)
 
 from ringtrain.weights import relative_difference
 
@@ -13,8 +21,10 @@ pytestmark = pytest.mark.mpi
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_data_parallel_equals_single_process_for_every_configuration(ranks):
-    results = mpi_checks("data", ranks)
+def test_data_parallel_equals_single_process_for_every_configuration(ranks, tmp_path):
+    everything = mpi_checks("data", ranks, tmp_path if ranks == 2 else None)
+    results = [r for r in everything if "check" not in r]
+    assert_exact_resume([r for r in everything if r.get("check") == "resume"], ranks == 2)
     assert len(results) == 10
     for r in results:
         tolerance = 1e-2 if r["config"]["fp16_allreduce"] else 1e-5

@@ -5,15 +5,24 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import REFERENCE_FLAGS, load_npz, mpi_checks, one_line_error, ringtrain
+from conftest import (
+    REFERENCE_FLAGS,
+    assert_exact_resume,
+    load_npz,
+    mpi_checks,
+    one_line_error,
+    ringtrain,
+)
 
 from ringtrain.pipeline.grid import Grid
 from ringtrain.weights import relative_difference
 
 
 @pytest.mark.mpi
-def test_hybrid_2x2_equals_single_process_for_every_configuration():
-    results = mpi_checks("hybrid", 4)
+def test_hybrid_2x2_equals_single_process_for_every_configuration(tmp_path):
+    everything = mpi_checks("hybrid", 4, tmp_path)
+    results = [r for r in everything if "check" not in r]
+    assert_exact_resume([r for r in everything if r.get("check") == "resume"], True)
     assert len(results) == 16
     for r in results:
         assert r["rel_diff"] <= 1e-5, r
