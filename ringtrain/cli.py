@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 
 from ringtrain.errors import EXIT_CHECKPOINTED, EXIT_FAILURE, EXIT_USAGE, UserError, report
@@ -152,7 +153,12 @@ def run_train(args: argparse.Namespace) -> int:
     from ringtrain.launch.env import who_am_i
 
     cfg = config_from_args(args)
-    validate(cfg, who_am_i().world_size)  # flags first: cheap, before TensorFlow loads
+    me = who_am_i()
+    validate(cfg, me.world_size)  # flags first: cheap, before TensorFlow loads
+    if me.source == "single" and shutil.which("mpirun") is None:
+        # Without a launcher Open MPI starts a singleton, which still needs its runtime.
+        raise UserError("MPI not found: mpirun is not on PATH; install openmpi-bin or load your "
+                        "site's MPI module")
     from ringtrain.api import train
     from ringtrain.data import load_dataset
     from ringtrain.models import BUILTIN
