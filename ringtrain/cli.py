@@ -178,7 +178,7 @@ def run_doctor(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ringtrain.bench import pipeline_bench
+    from ringtrain.bench import common as bench
     from ringtrain.launch import launch_cli
     from ringtrain.pipeline import schedule_cli
 
@@ -217,9 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         (
             "bench",
-            "measure pipeline bubble and speed-up (JSON and PNG in benchmarks/results)",
-            pipeline_bench.add_bench_arguments,
-            pipeline_bench.run_bench_command,
+            "benchmarks: pipeline, strategies, allreduce (JSON and PNG in benchmarks/results)",
+            bench.add_bench_arguments,
+            bench.run_bench_command,
         ),
     ]
     for name, purpose, add_arguments, run in commands:

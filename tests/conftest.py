@@ -37,13 +37,16 @@ def ringtrain(*args: str, ranks: int | None = None, timeout: float = 300):
 
 def mpi_checks(suite: str, ranks: int, resume_dir: Path | None = None) -> list[dict]:
     """One mpirun that checks many configurations inside the ranks (tests/mpi_checks.py);
-    with resume_dir it also checks stop-and-resume against uninterrupted runs there."""
+    with resume_dir it also checks stop-and-resume against uninterrupted runs there (asserted
+    here). Returns the per-configuration results."""
     script = [sys.executable, str(ROOT / "tests" / "mpi_checks.py"), suite]
     done = run(
         [*MPIRUN, str(ranks), *script, *([str(resume_dir)] if resume_dir else [])], timeout=900
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert_exact_resume([r for r in results if r.get("check") == "resume"], resume_dir is not None)
+    return [r for r in results if "check" not in r]
 
 
 def assert_exact_resume(checks: list[dict], expected: bool) -> None:

@@ -66,6 +66,17 @@ def with_lr(cfg: TrainConfig) -> TrainConfig:
     return replace(cfg, lr=0.001 if cfg.optimizer == "adam" else 0.01)
 
 
+def schedule_grid(base: TrainConfig, microbatches: tuple[int, ...]) -> list[TrainConfig]:
+    """Both schedules x M x {mlp, transformer} x {SGD, Adam}."""
+    return [
+        replace(base, schedule=kind, microbatches=m, model=model, optimizer=opt)
+        for kind in ("gpipe", "1f1b")
+        for m in microbatches
+        for model in ("mlp", "transformer")
+        for opt in ("sgd", "adam")
+    ]
+
+
 def configs(suite: str) -> list[TrainConfig]:
     base = TrainConfig(batch_size=48, steps=5, seed=3)
     out = []
@@ -83,24 +94,7 @@ def configs(suite: str) -> list[TrainConfig]:
         out.append(replace(base, strategy="data", model="cnn", optimizer="sgd", loop="fit"))
     elif suite == "pipeline":
         base = replace(base, steps=3)
-        for kind in ("gpipe", "1f1b"):
-            for m in (1, 3, 8):
-                for model, opt in (
-                    ("mlp", "sgd"),
-                    ("mlp", "adam"),
-                    ("transformer", "sgd"),
-                    ("transformer", "adam"),
-                ):
-                    out.append(
-                        replace(
-                            base,
-                            strategy="pipeline",
-                            schedule=kind,
-                            microbatches=m,
-                            model=model,
-                            optimizer=opt,
-                        )
-                    )
+        out += schedule_grid(replace(base, strategy="pipeline"), (1, 3, 8))
         out.append(replace(base, strategy="model", model="mlp", optimizer="adam"))
         out.append(
             replace(
@@ -135,17 +129,7 @@ def configs(suite: str) -> list[TrainConfig]:
         )
     elif suite == "hybrid":
         base = replace(base, steps=3, strategy="hybrid", pp_size=2)
-        for kind in ("gpipe", "1f1b"):
-            for m in (2, 4):
-                for model, opt in (
-                    ("mlp", "sgd"),
-                    ("mlp", "adam"),
-                    ("transformer", "sgd"),
-                    ("transformer", "adam"),
-                ):
-                    out.append(
-                        replace(base, schedule=kind, microbatches=m, model=model, optimizer=opt)
-                    )
+        out += schedule_grid(base, (2, 4))
     return [with_lr(cfg) for cfg in out]
 
 

@@ -7,7 +7,6 @@ import json
 import pytest
 from conftest import (
     REFERENCE_FLAGS,
-    assert_exact_resume,
     load_npz,
     mpi_checks,
     ringtrain,
@@ -20,9 +19,7 @@ pytestmark = pytest.mark.mpi
 
 @pytest.mark.parametrize("stages", [2, 4])
 def test_pipeline_gpipe_and_1f1b_equal_single_process_for_every_configuration(stages, tmp_path):
-    everything = mpi_checks("pipeline", stages, tmp_path if stages == 2 else None)
-    results = [r for r in everything if "check" not in r]
-    assert_exact_resume([r for r in everything if r.get("check") == "resume"], stages == 2)
+    results = mpi_checks("pipeline", stages, tmp_path if stages == 2 else None)
     assert len(results) == 28
     for r in results:
         assert r["rel_diff"] <= 1e-5, r
