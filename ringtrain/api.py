@@ -18,6 +18,7 @@ import numpy as np
 from ringtrain import log, loop, runtime
 from ringtrain.config import TrainConfig, validate
 from ringtrain.data import Dataset
+from ringtrain.guard import Watchdog
 from ringtrain.launch.env import who_am_i
 from ringtrain.models import ModelSpec
 from ringtrain.weights import save_npz
@@ -49,6 +50,8 @@ def train(spec: ModelSpec, data: Dataset, cfg: TrainConfig) -> TrainResult:
         with_horovod=cfg.strategy in ("data", "hybrid"),
         process_sets=_hybrid_process_sets(cfg),
     )
+    # From here on every collective is covered: a rank that stops answering aborts the job.
+    watchdog = Watchdog(cfg.comm_timeout, world.rank, "start-up")
     log.info(
         f"ringtrain: strategy {cfg.strategy}, {world.size} rank(s), model of {len(spec)} "
         f"elements, global batch {cfg.batch_size}"
@@ -56,11 +59,13 @@ def train(spec: ModelSpec, data: Dataset, cfg: TrainConfig) -> TrainResult:
     if cfg.loop == "fit" and cfg.strategy in ("single", "data"):
         from ringtrain.dataparallel.keras_fit import fit
 
-        metrics, weights = fit(spec, data, cfg, world)
+        metrics, weights = fit(spec, data, cfg, world, watchdog)
     else:
         engine, replicas = _engine(spec, data, cfg, world)
-        metrics = loop.run(engine, data, cfg, world, replicas)
+        metrics = loop.run(engine, data, cfg, world, replicas, watchdog)
+        watchdog.kick("gathering the weights")
         weights = engine.gather_weights()
+    watchdog.stop()
     if not metrics.get("finished", True):
         return TrainResult(metrics, None)
     if world.rank == 0:

@@ -157,8 +157,10 @@ def run_train(args: argparse.Namespace) -> int:
     validate(cfg, me.world_size)  # flags first: cheap, before TensorFlow loads
     if me.source == "single" and shutil.which("mpirun") is None:
         # Without a launcher Open MPI starts a singleton, which still needs its runtime.
-        raise UserError("MPI not found: mpirun is not on PATH; install openmpi-bin or load your "
-                        "site's MPI module")
+        raise UserError(
+            "MPI not found: mpirun is not on PATH; install openmpi-bin or load your "
+            "site's MPI module"
+        )
     from ringtrain.api import train
     from ringtrain.data import load_dataset
     from ringtrain.models import BUILTIN

@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from ringtrain.errors import report
+from ringtrain.guard import abort_job
 
 
 class Link:
@@ -55,5 +55,4 @@ class Link:
     def abort(self, message: str) -> None:
         from mpi4py import MPI
 
-        report("ringtrain", message, MPI.COMM_WORLD.Get_rank())
-        MPI.COMM_WORLD.Abort(3)
+        abort_job(message, MPI.COMM_WORLD.Get_rank(), 3)

@@ -8,6 +8,7 @@ in every rank watches step progress and calls MPI_Abort, which MPI_THREAD_MULTIP
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -15,6 +16,19 @@ import time
 import numpy as np
 
 from ringtrain.errors import report
+
+
+def abort_job(message: str, rank: int, code: int) -> None:
+    """One line naming the problem, then MPI_Abort. If the runtime stalls in the abort (seen
+    with Open MPI 4.1 when several ranks abort at once), the process exits anyway after a few
+    seconds, and the launcher ends the job on that non-zero exit."""
+    report("ringtrain", message, rank)
+    fallback = threading.Timer(5.0, os._exit, args=(code,))
+    fallback.daemon = True
+    fallback.start()
+    from mpi4py import MPI
+
+    MPI.COMM_WORLD.Abort(code)
 
 
 class StopSignal:
@@ -45,9 +59,9 @@ def _mpi_max():
 class Watchdog:
     """Aborts the whole job when no step boundary is reached within `timeout` seconds."""
 
-    def __init__(self, timeout: float, rank: int):
+    def __init__(self, timeout: float, rank: int, what: str = "the first step"):
         self.timeout, self.rank = timeout, rank
-        self.last, self.what, self.active = time.monotonic(), "the first step", True
+        self.last, self.what, self.active = time.monotonic(), what, True
         threading.Thread(target=self._watch, daemon=True, name="ringtrain-watchdog").start()
 
     def kick(self, what: str) -> None:

@@ -32,10 +32,18 @@ class Engine(Protocol):
     def load_state(self, state: dict[str, np.ndarray]) -> None: ...
 
 
-def run(engine: Engine, data: Dataset, cfg: TrainConfig, world, replicas: int) -> dict:
+def run(
+    engine: Engine,
+    data: Dataset,
+    cfg: TrainConfig,
+    world,
+    replicas: int,
+    watchdog: Watchdog | None = None,
+) -> dict:
     """Train for the configured steps; return the metrics every strategy reports.
 
-    `metrics["finished"]` is False when a signal or --stop-after ended the run early.
+    `metrics["finished"]` is False when a signal or --stop-after ended the run early. The
+    caller's watchdog (if any) keeps running after the loop, for the gathers that follow.
     """
     total, per_epoch = step_plan(len(data.x), cfg.batch_size, cfg.epochs, cfg.steps)
     n_epochs = -(-total // per_epoch)
@@ -44,7 +52,8 @@ def run(engine: Engine, data: Dataset, cfg: TrainConfig, world, replicas: int) -
     if first:
         log.info(f"resumed from {cfg.checkpoint_dir} at step {first}")
     stop, link = StopSignal(), Link(world.comm, cfg.comm_timeout)
-    watchdog = Watchdog(cfg.comm_timeout, world.rank)
+    own_watchdog = watchdog is None
+    watchdog = watchdog or Watchdog(cfg.comm_timeout, world.rank)
     step_seconds: list[float] = []
     accuracy, finished, started = float("nan"), True, time.perf_counter()
     for step in range(first, total):
@@ -75,7 +84,7 @@ def run(engine: Engine, data: Dataset, cfg: TrainConfig, world, replicas: int) -
             accuracy = engine.evaluate()
             epoch_loss = float(np.mean(losses[step - i :]))
             bar.close(f"loss {epoch_loss:.4f}  held-out accuracy {accuracy:.4f}")
-    watchdog.stop()
+    watchdog.kick("the end-of-run metrics")
     seconds = time.perf_counter() - started
     steady = step_seconds[1:] or step_seconds  # the first step includes tracing
     metrics = {
@@ -93,4 +102,6 @@ def run(engine: Engine, data: Dataset, cfg: TrainConfig, world, replicas: int) -
         "config": cfg.as_dict(),
     }
     metrics.update(engine.extra_metrics())
+    if own_watchdog:
+        watchdog.stop()
     return metrics

@@ -7,6 +7,10 @@
 #     rank exits before all have written theirs (mpirun kills the rest when one exits non-zero);
 #   - `--resume` continues from the newest checkpoint in --checkpoint-dir, and is a no-op when
 #     there is none, so the first run and every requeued run use the same command.
+# A checkpointed step is requeued while the job is still running (the USR1 of --signal before
+# the time limit, or `scancel --batch --signal=USR1`). A job Slurm is already ending (scancel,
+# the time limit itself) keeps its checkpoint but is not requeued: requeueing would bring a
+# cancelled job back to life.
 #
 # Settings (environment variables, with their defaults):
 #   CKPT_DIR        checkpoint folder                       [ckpt-$SLURM_JOB_NAME]
@@ -74,8 +78,22 @@ ringtrain_step() {
   wait "$ringtrain_step_pid"
   local status=$?
   if ((status == RINGTRAIN_CHECKPOINTED)); then
-    echo "ringtrain job: step checkpointed before the end; requeueing job $SLURM_JOB_ID" >&2
-    scontrol requeue "$SLURM_JOB_ID"
+    if ringtrain_job_ending; then
+      echo "ringtrain job: step checkpointed, but job $SLURM_JOB_ID is ending (cancelled or" \
+        "out of time), so it is not requeued; resubmit it to resume" >&2
+    else
+      echo "ringtrain job: step checkpointed before the end; requeueing job $SLURM_JOB_ID" >&2
+      scontrol requeue "$SLURM_JOB_ID"
+    fi
   fi
   return "$status"
+}
+
+# Whether Slurm is already ending this job. scancel and the time limit send TERM to the batch
+# shell and the steps alike, and the job reads COMPLETING from then on; Slurm's --signal and
+# `scancel --batch --signal=...` leave it RUNNING. When scontrol cannot tell, requeue.
+ringtrain_job_ending() {
+  local info
+  info=$(scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null)
+  [[ $info =~ (^|[[:space:]])JobState=([A-Z_]+) ]] && [[ ${BASH_REMATCH[2]} != RUNNING ]]
 }

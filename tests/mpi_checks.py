@@ -16,6 +16,7 @@ from ringtrain import loop, runtime
 from ringtrain.config import TrainConfig, pipeline_stages, validate
 from ringtrain.data import load_digits
 from ringtrain.dataparallel.engine import DataParallelEngine
+from ringtrain.guard import Watchdog
 from ringtrain.models import BUILTIN
 from ringtrain.weights import named_weights, relative_difference
 
@@ -48,7 +49,11 @@ def run_strategy(cfg: TrainConfig, world: runtime.World):
     if cfg.loop == "fit":
         from ringtrain.dataparallel.keras_fit import fit
 
-        return fit(spec_of(cfg), DATA, cfg, world)
+        watchdog = Watchdog(cfg.comm_timeout, world.rank)
+        try:
+            return fit(spec_of(cfg), DATA, cfg, world, watchdog)
+        finally:
+            watchdog.stop()
     if cfg.strategy == "data":
         engine = DataParallelEngine(spec_of(cfg), DATA, cfg, world)
         replicas = world.size
@@ -125,6 +130,16 @@ def configs(suite: str) -> list[TrainConfig]:
                 microbatches=8,
                 partition="params",
                 schedule="gpipe",
+            )
+        )
+        out.append(
+            replace(
+                base,
+                strategy="pipeline",
+                model="transformer",
+                optimizer="sgd",
+                microbatches=3,
+                partition="time",
             )
         )
     elif suite == "hybrid":

@@ -9,6 +9,7 @@ test failed. The recipe it follows is /work/shared/SLURM.md.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -16,8 +17,10 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
-from collections.abc import Mapping, Sequence
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +44,15 @@ DAEMONS = ("slurmd", "slurmctld", "munged")  # stop order: the node, the control
 # lifetime plus one (AuthInfo cred_expire, default 120, minimum 5), so the slurmd has purged the
 # old credential before the new launch. 5 keeps a preemption test's restart to about 6 s.
 CRED_EXPIRE = 5
+# Seconds a finished job's record stays (up to 10 more: the purge runs every 10 s). No
+# accounting runs here, so the record is the only place its state and exit code can be read.
+# `sbatch --wait` polls every 2 s while this is below 5 (every 8 s from 5 on, and from 6 on it
+# can miss a short job's record altogether), so 4 keeps waits short and records long enough.
+MIN_JOB_AGE = 4
+# Seconds between the TERM and the KILL of scancel or a time limit: short, so a stuck job ends
+# soon, but long enough for the ranks to agree on a step and checkpoint, as they would on a
+# real cluster (Slurm's default is 30).
+KILL_WAIT = 5
 
 
 def free_port() -> int:
@@ -52,18 +64,113 @@ def free_port() -> int:
 
 @dataclass(frozen=True)
 class JobRecord:
-    """What `scontrol show job` says about a job that will not run again."""
+    """What `scontrol show job` said about a job, last and along the way."""
 
     job_id: int
-    state: str
+    state: str  # final, unless the record was purged before the job stopped COMPLETING
     exit_code: int
-    signal: int
+    signal_number: int  # the signal that ended the batch script, 0 if none
     restarts: int
+    states: tuple[str, ...]  # every JobState seen, in order, repeats collapsed
     fields: Mapping[str, str]
+
+    @property
+    def final(self) -> bool:
+        return self.state in FINAL_STATES
 
 
 class SlurmError(RuntimeError):
     """The test cluster did not start, or a job did not reach a final state in time."""
+
+
+class JobWatch:
+    """Follows one job's record from its submission until it is final or purged.
+
+    There is no accounting here: a finished job's record lives only MinJobAge seconds after its
+    end time, and a cancelled job's end time is the cancel, before its processes have exited.
+    A reader that asks once, after `sbatch --wait` returned, can find nothing; this thread
+    asks four times a second from the start and keeps what it saw.
+    """
+
+    def __init__(self, cluster: SlurmCluster, tag: str, interval: float = 0.25) -> None:
+        self.cluster, self.tag, self.interval = cluster, tag, interval
+        self.job_id: int | None = None
+        self.last: dict[str, str] | None = None
+        self.states: list[str] = []
+        self.gone = False
+        self.problem = ""
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"watch-{tag}")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.is_set():
+            try:
+                self._poll()
+            except (SlurmError, subprocess.TimeoutExpired, OSError) as problem:
+                self.problem = str(problem)  # a busy controller: ask again
+            if self.gone:
+                return
+            self._done.wait(self.interval)
+
+    def _poll(self) -> None:
+        if self.job_id is None:
+            self.job_id = self.cluster.job_with_comment(self.tag)
+            if self.job_id is None:
+                return
+        fields = self.cluster.job_fields(self.job_id)
+        if fields is None:
+            self.gone = self.last is not None
+            return
+        self.last = fields
+        state = fields.get("JobState", "?")
+        if not self.states or self.states[-1] != state:
+            self.states.append(state)
+
+    def wait_for_id(self, timeout: float = 30) -> int:
+        """The job's id, once Slurm lists it."""
+        deadline = time.monotonic() + timeout
+        while self.job_id is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.job_id is None:
+            raise SlurmError(f"no job with comment {self.tag} after {timeout} s {self.problem}")
+        return self.job_id
+
+    def record(self, timeout: float = 60) -> JobRecord:
+        """The job's record once it is final and not COMPLETING, or the last one seen if it
+        was purged first (then `state` is the last state seen, e.g. COMPLETING)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            last = self.last
+            if self.gone or (last and last.get("JobState") in FINAL_STATES):
+                break
+            time.sleep(0.05)
+        else:
+            raise SlurmError(f"job {self.job_id} not finished after {timeout} s: {self.states}")
+        assert last is not None and self.job_id is not None
+        code, _, sig = last.get("ExitCode", "").partition(":")
+        return JobRecord(
+            self.job_id,
+            last.get("JobState", "?"),
+            int(code or -1),
+            int(sig or 0),
+            int(last.get("Restarts", "0")),
+            tuple(self.states),
+            last,
+        )
+
+    def close(self) -> None:
+        self._done.set()
+        self._thread.join(timeout=15)
+
+
+@dataclass(frozen=True)
+class Submission:
+    """A background `sbatch --wait` (its output in `log`) and the watch on its job."""
+
+    process: subprocess.Popen
+    watch: JobWatch
+    log: Path
 
 
 class SlurmCluster:
@@ -137,8 +244,9 @@ class SlurmCluster:
         deadline = time.monotonic() + timeout
         state = ""
         while time.monotonic() < deadline:
-            state = self.client(["sinfo", "-h", "-N", "-n", NODE, "-o", "%t"], check=False)
-            if state.stdout.strip() == "idle":
+            sinfo = self.client(["sinfo", "-h", "-N", "-n", NODE, "-o", "%t"], check=False)
+            state = sinfo.stdout.strip() or sinfo.stderr.strip()
+            if state == "idle":
                 return
             time.sleep(0.2)
         raise SlurmError(f"node not idle after {timeout} s (sinfo: {state!r})\n{self.logs()}")
@@ -149,8 +257,10 @@ class SlurmCluster:
         Killing slurmd does not end running steps, so the jobs go first; whatever still carries
         this cluster's SLURM_CONF afterwards (a stuck step, a rank) is killed by PID too.
         """
-        if self.pids.get("slurmctld"):
-            self._drain(timeout)
+        # A controller that does not answer: its jobs die with the PID sweep below.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            if self.pids.get("slurmctld"):
+                self._drain(timeout)
         for name in DAEMONS:
             pid = self.pids.get(name)
             if pid:
@@ -168,6 +278,8 @@ class SlurmCluster:
     def _drain(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            if not _alive(self.pids["slurmctld"]):
+                return  # nobody to ask; the PID sweep in stop() ends what is left
             queue = self.client(["squeue", "-h", "-o", "%i"], check=False, timeout=10)
             jobs = queue.stdout.split()
             if queue.returncode == 0 and not jobs:
@@ -249,9 +361,9 @@ ReturnToService=2
 EnforcePartLimits=ALL
 SlurmdParameters=config_overrides
 FirstJobId={first_job_id}
-KillWait=2
+KillWait={KILL_WAIT}
 InactiveLimit=0
-MinJobAge=5
+MinJobAge={MIN_JOB_AGE}
 NodeName={NODE} NodeAddr=127.0.0.1 CPUs=8 State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
@@ -280,28 +392,6 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
             raise SlurmError(f"{' '.join(argv)} exited {done.returncode}: {done.stderr.strip()}")
         return done
 
-    def sbatch_wait(
-        self,
-        argv: Sequence[str],
-        *,
-        cwd: Path,
-        timeout: float = 180,
-        env: Mapping[str, str] | None = None,
-    ) -> tuple[int, subprocess.CompletedProcess]:
-        """`sbatch --wait --parsable ARGV`: (job id, the finished sbatch). sbatch's own exit code
-        is not the whole story (a job cancelled while pending gives 0), so read the record too."""
-        done = self.client(
-            ["sbatch", "--wait", "--parsable", *argv],
-            check=False,
-            timeout=timeout,
-            cwd=cwd,
-            env=env,
-        )
-        match = re.match(r"\s*(\d+)", done.stdout)
-        if not match:
-            raise SlurmError(f"sbatch printed no job id (exit {done.returncode}): {done.stderr}")
-        return int(match.group(1)), done
-
     def job_fields(self, job_id: int) -> dict[str, str] | None:
         """`scontrol show job` as a dict, or None once the record is gone (MinJobAge)."""
         done = self.client(["scontrol", "show", "job", "-o", str(job_id)], check=False)
@@ -311,27 +401,61 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
             raise SlurmError(f"scontrol show job {job_id}: {done.stderr.strip()}")
         return dict(re.findall(r"(\w+)=(\S*)", done.stdout))
 
-    def final_record(self, job_id: int, timeout: float = 60) -> JobRecord:
-        """Poll until the job is in a final state and no longer completing. There is no
-        accounting here, so this must run while MinJobAge still keeps the record."""
-        deadline = time.monotonic() + timeout
-        fields: dict[str, str] | None = None
-        while time.monotonic() < deadline:
-            fields = self.job_fields(job_id)
-            if fields is None:
-                raise SlurmError(f"job {job_id} has no record (purged after MinJobAge)")
-            if fields.get("JobState") in FINAL_STATES:
-                code, _, sig = fields.get("ExitCode", "").partition(":")
-                return JobRecord(
-                    job_id,
-                    fields["JobState"],
-                    int(code or -1),
-                    int(sig or 0),
-                    int(fields.get("Restarts", "0")),
-                    fields,
+    def job_with_comment(self, tag: str) -> int | None:
+        """The id of the job submitted with --comment=TAG, if Slurm lists it (finished ones too,
+        while their records last)."""
+        done = self.client(["squeue", "-h", "--states=all", "-o", "%i %k"], check=False)
+        for line in done.stdout.splitlines():
+            job_id, _, comment = line.strip().partition(" ")
+            if comment == tag:
+                return int(job_id)
+        return None
+
+    def watch(self, tag: str) -> JobWatch:
+        """Start following the job that carries --comment=TAG (submit it next)."""
+        return JobWatch(self, tag)
+
+    @contextlib.contextmanager
+    def submit(
+        self, argv: Sequence[str], *, cwd: Path, env: Mapping[str, str] | None = None
+    ) -> Iterator[Submission]:
+        """`sbatch --wait ARGV` in the background, its job watched from submission on. On the
+        way out sbatch is killed if it still runs; the job itself is left to stop()."""
+        tag = f"rt-{uuid.uuid4().hex[:12]}"
+        watch = self.watch(tag)
+        log_path = cwd / f"sbatch-{tag}.log"
+        try:
+            with open(log_path, "w") as log:
+                process = subprocess.Popen(
+                    ["sbatch", "--wait", f"--comment={tag}", *argv],
+                    cwd=cwd,
+                    env={**self.env, **(env or {})},
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
                 )
-            time.sleep(0.2)
-        raise SlurmError(f"job {job_id} not finished after {timeout} s: {fields}")
+            try:
+                yield Submission(process, watch, log_path)
+            finally:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait(timeout=10)
+        finally:
+            watch.close()
+
+    def sbatch_wait(
+        self,
+        argv: Sequence[str],
+        *,
+        cwd: Path,
+        timeout: float = 180,
+        env: Mapping[str, str] | None = None,
+    ) -> tuple[JobRecord, int]:
+        """`sbatch --wait ARGV`: the job's final record and sbatch's exit code. That exit code
+        is not the whole story (a job cancelled while pending gives 0), hence the record."""
+        with self.submit(argv, cwd=cwd, env=env) as job:
+            returncode = job.process.wait(timeout=timeout)
+            return job.watch.record(timeout=60), returncode
 
     def logs(self, tail: int = 40) -> str:
         """The last lines of every daemon log, for a failure message."""
@@ -357,7 +481,5 @@ def _alive(pid: int) -> bool:
 
 
 def _signal(pid: int, sig: signal.Signals) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, sig)
-    except ProcessLookupError:
-        pass

@@ -132,3 +132,36 @@ def test_batch_not_divisible_by_ranks_fails_on_every_rank_without_hanging():
     )
     one_line_error(done, "not divisible by 2 data-parallel ranks")
     assert "[rank 1] ringtrain train: error:" in done.stderr
+
+
+def test_keras_fit_example_runs_under_horovodrun():
+    done = run(["horovodrun", "-np", "2", "-H", "localhost:2", "python", "examples/keras_fit.py"])
+    assert done.returncode == 0, done.stderr[-2000:]
+    accuracy = float(done.stdout.split("held-out accuracy")[-1].split()[0])
+    assert accuracy > 0.9
+
+
+def test_user_arrays_train_through_npz(tmp_path):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(200, 6)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64)
+    np.savez(tmp_path / "mine.npz", x=x, y=y)
+    metrics = tmp_path / "m.json"
+    done = ringtrain(
+        "train",
+        "--strategy",
+        "data",
+        "--dataset",
+        f"npz:{tmp_path / 'mine.npz'}",
+        "--batch-size",
+        "20",
+        "--epochs",
+        "3",
+        "--metrics-out",
+        str(metrics),
+        ranks=2,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(metrics.read_text())["world_size"] == 2

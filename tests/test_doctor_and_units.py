@@ -58,3 +58,14 @@ def test_validation_names_the_problem(changes, world, needle):
     cfg = TrainConfig(batch_size=64, **changes)
     with pytest.raises(UserError, match=needle):
         validate(cfg, world, n_elements=4)
+
+
+def test_learning_rate_scales_by_replicas_after_a_linear_warmup():
+    from ringtrain.optim import learning_rate
+
+    plain = TrainConfig(lr=0.1)
+    assert learning_rate(plain, 0.5, 4) == 0.1  # off by default: runs stay comparable
+    scaled = TrainConfig(lr=0.1, scale_lr=True, warmup_epochs=2)
+    assert learning_rate(scaled, 0.0, 4) == pytest.approx(0.1)
+    assert learning_rate(scaled, 1.0, 4) == pytest.approx(0.25)
+    assert learning_rate(scaled, 3.0, 4) == pytest.approx(0.4)

@@ -25,30 +25,37 @@ STRATEGY_ARGS = {
 }
 
 
-def rank_pid(rank: int) -> int:
-    """The pid of the ringtrain process Open MPI started as `rank`."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def rank_pid(rank: int, launcher: int) -> int:
+    """The pid of the process the launcher (an ancestor) started as `rank`."""
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
         try:
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
+            if f"OMPI_COMM_WORLD_RANK={rank}".encode() not in environ:
+                continue
+            ancestor = pid
+            while ancestor > 1 and ancestor != launcher:
+                ancestor = _parent(ancestor)
+        except (OSError, ValueError, IndexError):
             continue
-        if b"ringtrain" in cmdline and f"OMPI_COMM_WORLD_RANK={rank}".encode() in environ:
-            return int(pid)
-    raise AssertionError(f"no process for rank {rank}")
+        if ancestor == launcher:
+            return pid
+    raise AssertionError(f"no process for rank {rank} under launcher {launcher}")
 
 
 def start_training(ranks: int, args: list[str]) -> subprocess.Popen:
-    """Start a long run and return once rank 0 reports the first epoch's progress."""
+    """Start a long run and return once rank 0 has finished its first epoch: mid-training."""
     cmd = [*MPIRUN, str(ranks), str(BIN / "ringtrain"), "train", *args, "--steps", "100000"]
     job = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT
     )
     deadline = time.monotonic() + 120
     line = ""
-    while "ringtrain: strategy" not in line and time.monotonic() < deadline:
+    while "held-out accuracy" not in line and time.monotonic() < deadline:
         line = job.stdout.readline()
-    time.sleep(4)  # inside the training steps by now
     return job
 
 
@@ -66,7 +73,7 @@ def wait_bounded(job: subprocess.Popen, bound: float) -> tuple[float, str]:
 def test_a_killed_rank_ends_the_job_within_30_seconds(strategy):
     ranks, args = STRATEGY_ARGS[strategy]
     job = start_training(ranks, args)
-    os.kill(rank_pid(1), signal.SIGKILL)
+    os.kill(rank_pid(1, job.pid), signal.SIGKILL)
     seconds, _ = wait_bounded(job, KILL_BOUND)
     assert job.returncode != 0
     assert seconds <= KILL_BOUND
@@ -77,7 +84,7 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout_plus_30_seconds(strategy
     timeout = 8
     ranks, args = STRATEGY_ARGS[strategy]
     job = start_training(ranks, [*args, "--comm-timeout", str(timeout)])
-    os.kill(rank_pid(1), signal.SIGSTOP)
+    os.kill(rank_pid(1, job.pid), signal.SIGSTOP)
     seconds, stderr = wait_bounded(job, timeout + 30)
     assert job.returncode != 0
     assert seconds <= timeout + 30

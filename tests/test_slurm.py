@@ -1,6 +1,7 @@
 """The Slurm templates under a real single-node Slurm: each one trains and completes, a rendered
-copy does too, a killed rank ends its srun step, and a preempted job checkpoints, is requeued
-and resumes to the weights of an uninterrupted run.
+copy does too, a killed rank ends its srun step, a preempted job checkpoints, is requeued and
+resumes to the weights of an uninterrupted run, and a cancelled one checkpoints and stays
+cancelled.
 
 The cluster (tests/slurm_cluster.py) is started once for the session and always stopped.
 """
@@ -18,8 +19,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
-from conftest import ENV, ROOT, load_npz
-from slurm_cluster import JobRecord, SlurmCluster
+from conftest import BIN, ENV, ROOT, load_npz
+from slurm_cluster import JobRecord, SlurmCluster, Submission
 
 from ringtrain.weights import relative_difference
 
@@ -29,9 +30,13 @@ DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo
 TINY = ["--steps", "3", "--batch-size", "32"]
 JOB_TIMEOUT = 240  # seconds for one `sbatch --wait`; a job also carries --time as a backstop
 JOB_LIMIT = "--time=10"  # minutes: Slurm itself ends a job that went wrong
+# Jobs are submitted without the venv on PATH, as from a fresh login shell: the batch script
+# must activate it itself (slurm/common.sh).
+SYSTEM_PATH = os.pathsep.join(p for p in ENV["PATH"].split(os.pathsep) if Path(p) != BIN)
 # The templates find slurm/common.sh and the venv through RINGTRAIN_HOME; the tests submit
 # from a temporary folder (where %x-%j.out lands), so it is set to this checkout.
-HOME = {"RINGTRAIN_HOME": str(ROOT)}
+HOME = {"RINGTRAIN_HOME": str(ROOT), "PATH": SYSTEM_PATH}
+DATA_1NODE = str(ROOT / "slurm" / "data-1node.sbatch")
 
 
 @pytest.fixture(scope="session")
@@ -52,8 +57,7 @@ def slurm() -> Iterator[SlurmCluster]:
 
 def output_of(record: JobRecord) -> str:
     """The job's %x-%j.out (stdout and stderr of the batch script and every rank)."""
-    path = Path(record.fields["StdOut"])
-    return path.read_text(errors="replace") if path.exists() else f"(no {path})"
+    return read(Path(record.fields["StdOut"]))
 
 
 def run_job(
@@ -64,10 +68,12 @@ def run_job(
 ) -> tuple[JobRecord, str]:
     """sbatch --wait one job; return its final record and output, having checked sbatch's exit
     code agrees with the record (it does not for a job cancelled while pending)."""
-    job_id, done = slurm.sbatch_wait([JOB_LIMIT, *argv], cwd=cwd, env=env, timeout=JOB_TIMEOUT)
-    record = slurm.final_record(job_id)
+    record, returncode = slurm.sbatch_wait(
+        [JOB_LIMIT, *argv], cwd=cwd, env=env, timeout=JOB_TIMEOUT
+    )
     output = output_of(record)
-    assert done.returncode == record.exit_code, (done.returncode, record, output[-3000:])
+    assert record.final, (record, output[-3000:])
+    assert returncode == record.exit_code, (returncode, record, output[-3000:])
     return record, output
 
 
@@ -112,21 +118,21 @@ def test_template_trains_and_completes_under_sbatch(
     assert list((tmp_path / f"ckpt-{record.fields['JobName']}").glob("step-*/manifest.json"))
     if strategy == "hybrid":
         assert (report["dp_size"], report["pp_size"]) == (2, 2)
+        assert "pipeline 1: ranks [2, 3]" in output, output[-3000:]
 
 
 def test_rendered_script_runs_under_sbatch_from_any_folder(slurm, tmp_path):
-    """A rendered copy carries this checkout's path, so it needs no RINGTRAIN_HOME."""
+    """A rendered copy carries this checkout's path: it needs no RINGTRAIN_HOME, and finds
+    slurm/common.sh and the venv from a folder that has neither."""
     script, metrics = tmp_path / "job.sbatch", tmp_path / "metrics.json"
     train_args = [*TINY, "--metrics-out", str(metrics)]
     render = [
         *("slurm", "render", "--strategy", "data", "--nodes", "1", "--ntasks-per-node", "2"),
         *("--time", "00:05:00", "--job-name", "rendered", "--output", str(script)),
     ]
-    done = slurm.client(
-        [str(ROOT / ".venv" / "bin" / "ringtrain"), *render, "--", *train_args], cwd=tmp_path
-    )
+    done = slurm.client([str(BIN / "ringtrain"), *render, "--", *train_args], cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    record, output = run_job(slurm, [str(script)], cwd=tmp_path)
+    record, output = run_job(slurm, [str(script)], cwd=tmp_path, env={"PATH": SYSTEM_PATH})
     assert_trained(record, output, metrics, "data", 2)
     assert record.fields["JobName"] == "rendered"
     assert (tmp_path / f"rendered-{record.job_id}.out").exists()
@@ -134,34 +140,38 @@ def test_rendered_script_runs_under_sbatch_from_any_folder(slurm, tmp_path):
 
 def test_killed_rank_ends_the_srun_step(slurm, tmp_path):
     """SIGKILL on one rank mid-training: srun ends the step, non-zero, well within 30 s."""
-    name = f"kill-{uuid.uuid4().hex[:8]}"
+    tag = f"kill-{uuid.uuid4().hex[:8]}"
     log = tmp_path / "srun.out"
-    argv = ["srun", "--mpi=pmix", "-n", "2", f"--job-name={name}", JOB_LIMIT]
+    argv = ["srun", "--mpi=pmix", "-n", "2", f"--comment={tag}", JOB_LIMIT]
     argv += ["ringtrain", "train", "--strategy", "data", "--steps", "100000"]
-    with open(log, "w") as out:
-        step = subprocess.Popen(
-            argv, cwd=tmp_path, env=slurm.env, stdout=out, stderr=subprocess.STDOUT
-        )
+    watch = slurm.watch(tag)
     try:
-        wait_for_text(log, "epoch 1/", step, timeout=120)
-        job_id = job_id_of(slurm, name)
-        victims = rank_pids(slurm, job_id, rank=1)
-        assert victims, slurm.client(["scontrol", "listpids", str(job_id)]).stdout
-        for pid in victims:
-            os.kill(pid, signal.SIGKILL)
-        killed = time.monotonic()
+        with open(log, "w") as out:
+            step = subprocess.Popen(
+                argv, cwd=tmp_path, env=slurm.env, stdout=out, stderr=subprocess.STDOUT
+            )
         try:
-            returncode = step.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"srun still running 30 s after rank 1 was killed:\n{log.read_text()}")
-        assert time.monotonic() - killed < 30
-        assert returncode != 0, log.read_text()
-        record = slurm.final_record(job_id)
-        assert record.state != "COMPLETED", record
+            wait_for_text(log, "epoch 1/", step, timeout=120)
+            job_id = watch.wait_for_id()
+            victims = rank_pids(slurm, job_id, rank=1)
+            assert victims, slurm.client(["scontrol", "listpids", str(job_id)]).stdout
+            for pid in victims:
+                os.kill(pid, signal.SIGKILL)
+            killed = time.monotonic()
+            try:
+                returncode = step.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"srun still running 30 s after rank 1 was killed:\n{read(log)}")
+            assert time.monotonic() - killed < 30
+            assert returncode != 0, read(log)
+            record = watch.record()
+            assert record.state != "COMPLETED", record
+        finally:
+            if step.poll() is None:
+                step.kill()
+                step.wait(timeout=10)
     finally:
-        if step.poll() is None:
-            step.kill()
-            step.wait(timeout=10)
+        watch.close()
 
 
 def test_preempted_job_checkpoints_requeues_and_resumes_to_the_uninterrupted_weights(
@@ -171,41 +181,26 @@ def test_preempted_job_checkpoints_requeues_and_resumes_to_the_uninterrupted_wei
     requeues the job, and the rerun resumes; the final weights equal an uninterrupted run's."""
     # Long enough that the signal lands well before the end; the order of Horovod's sums is
     # fixed (no fusion buffer) so the two runs can agree bit for bit.
-    flags = ["--steps", "2000", "--batch-size", "32", "--seed", "3"]
+    steps = 1000  # 23 epochs of the digits data; the signal comes after the first
+    flags = ["--steps", str(steps), "--batch-size", "32", "--seed", "3"]
     env = {**HOME, "HOROVOD_FUSION_THRESHOLD": "0"}
-    template = str(ROOT / "slurm" / "data-1node.sbatch")
-
-    whole = tmp_path / "whole"
+    whole, cut = tmp_path / "whole", tmp_path / "preempted"
     whole.mkdir()
-    record, output = run_job(
-        slurm, [template, *flags, "--weights-out", str(whole / "w.npz")], cwd=whole, env=env
-    )
-    assert (record.state, record.exit_code, record.restarts) == ("COMPLETED", 0, 0), output
-
-    cut = tmp_path / "preempted"
     cut.mkdir()
-    name = f"preempt-{uuid.uuid4().hex[:8]}"
-    argv = ["sbatch", "--wait", JOB_LIMIT, f"--job-name={name}", template, *flags]
-    argv += ["--weights-out", str(cut / "w.npz")]
-    batch = subprocess.Popen(
-        argv,
-        cwd=cut,
-        env={**slurm.env, **env},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        job_id = job_id_of(slurm, name)
-        out = cut / f"{name}-{job_id}.out"
-        wait_for_text(out, "epoch 1/", batch, timeout=120)
+    whole_argv = [JOB_LIMIT, DATA_1NODE, *flags, "--weights-out", str(whole / "w.npz")]
+    cut_argv = [JOB_LIMIT, DATA_1NODE, *flags, "--weights-out", str(cut / "w.npz")]
+    # The uninterrupted run shares the cluster with the preempted one (4 of its 8 CPUs).
+    with (
+        slurm.submit(whole_argv, cwd=whole, env=env) as uninterrupted,
+        slurm.submit(cut_argv, cwd=cut, env=env) as preempted,
+    ):
+        job_id, out = started(preempted)
         slurm.client(["scancel", "--batch", "--signal=USR1", str(job_id)])
-        returncode = batch.wait(timeout=JOB_TIMEOUT)
-    finally:
-        if batch.poll() is None:
-            batch.kill()
-            batch.wait(timeout=10)
-    record = slurm.final_record(job_id)
-    output = out.read_text(errors="replace")
+        returncode = preempted.process.wait(timeout=JOB_TIMEOUT)
+        record = preempted.watch.record()
+        whole_out = output_path(uninterrupted)
+        assert uninterrupted.process.wait(timeout=JOB_TIMEOUT) == 0, read(whole_out)
+    output = read(out)
     assert (record.state, record.exit_code, returncode) == ("COMPLETED", 0, 0), (record, output)
     assert record.restarts == 1, (record, output)
     assert f"requeueing job {job_id}" in output, output
@@ -213,35 +208,65 @@ def test_preempted_job_checkpoints_requeues_and_resumes_to_the_uninterrupted_wei
     resumed = [line for line in output.splitlines() if line.startswith("resumed from ")]
     assert len(stopped) == 1 and len(resumed) == 1, output
     step = int(stopped[0].split()[3])
-    assert 0 < step < 2000 and resumed[0].endswith(f"at step {step}"), output
+    assert 0 < step < steps and resumed[0].endswith(f"at step {step}"), output
+    assert "stopped after" not in read(whole_out), read(whole_out)
     assert relative_difference(load_npz(cut / "w.npz"), load_npz(whole / "w.npz")) <= 1e-6
 
 
+def test_cancelled_job_checkpoints_and_stays_cancelled(slurm, tmp_path):
+    """scancel sends TERM to the batch shell and the ranks alike: the step checkpoints and
+    exits 75, but a job Slurm is ending must not be requeued, or it could never be cancelled."""
+    argv = [JOB_LIMIT, DATA_1NODE, "--steps", "100000"]
+    with slurm.submit(argv, cwd=tmp_path, env=HOME) as job:
+        job_id, out = started(job)
+        slurm.client(["scancel", str(job_id)])
+        record = job.watch.record(timeout=60)
+    output = read(out)
+    # Once cancelled the job only completes: it never runs again (PENDING, RUNNING).
+    after = record.states[record.states.index("RUNNING") + 1 :]
+    assert set(after) <= {"COMPLETING", "CANCELLED"}, (record, output)
+    assert record.restarts == 0, (record, output)
+    assert f"JOB {job_id} ON localhost CANCELLED AT" in output, output
+    assert "stopped after step" in output, output
+    assert f"job {job_id} is ending" in output and "requeueing" not in output, output
+    assert list((tmp_path / f"ckpt-{record.fields['JobName']}").glob("step-*/manifest.json"))
+
+
 # --- helpers ----------------------------------------------------------------------------------
+
+
+def output_path(job: Submission, timeout: float = 30) -> Path:
+    """Where the job writes (%x-%j.out in its submit folder), once Slurm has the job."""
+    job.watch.wait_for_id(timeout)
+    deadline = time.monotonic() + timeout
+    while job.watch.last is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert job.watch.last is not None, read(job.log)
+    return Path(job.watch.last["StdOut"])
+
+
+def started(job: Submission) -> tuple[int, Path]:
+    """(job id, output file) once the job has finished its first epoch of training."""
+    out = output_path(job)
+    wait_for_text(out, "epoch 1/", job.process, timeout=120)
+    assert job.watch.job_id is not None
+    return job.watch.job_id, out
 
 
 def wait_for_text(path: Path, text: str, process: subprocess.Popen, timeout: float) -> None:
     """Until `text` appears in the file; fail early if the process watched already ended."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if path.exists() and text in path.read_text(errors="replace"):
+        if path.exists() and text in read(path):
             return
         if process.poll() is not None:
-            content = path.read_text(errors="replace") if path.exists() else "(no output)"
-            pytest.fail(f"ended ({process.returncode}) before printing {text!r}:\n{content}")
+            pytest.fail(f"ended ({process.returncode}) before printing {text!r}:\n{read(path)}")
         time.sleep(0.2)
     pytest.fail(f"no {text!r} in {path} after {timeout} s")
 
 
-def job_id_of(slurm: SlurmCluster, name: str, timeout: float = 30) -> int:
-    """The id of the one job with this (unique) name, once Slurm has it."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        ids = slurm.client(["squeue", "-h", "-n", name, "-o", "%i"]).stdout.split()
-        if ids:
-            return int(ids[0])
-        time.sleep(0.2)
-    pytest.fail(f"no job named {name} after {timeout} s")
+def read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else f"(no {path.name})"
 
 
 def rank_pids(slurm: SlurmCluster, job_id: int, rank: int) -> list[int]:

@@ -16,6 +16,7 @@ from ringtrain.config import TrainConfig
 from ringtrain.data import Dataset, epoch_batches, shard, step_plan
 from ringtrain.dataparallel.collectives import average_gradients, broadcast_state
 from ringtrain.evaluate import sharded_accuracy
+from ringtrain.guard import Watchdog
 from ringtrain.models import ModelSpec
 from ringtrain.optim import learning_rate, make_optimizer
 from ringtrain.runtime import World
@@ -102,7 +103,18 @@ class LossRecorder(keras.callbacks.Callback):
         self.losses.append(float(loss))
 
 
-def fit(spec: ModelSpec, data: Dataset, cfg: TrainConfig, world: World):
+class KickWatchdog(keras.callbacks.Callback):
+    """Each finished batch tells the watchdog the job is alive."""
+
+    def __init__(self, watchdog: Watchdog):
+        super().__init__()
+        self.watchdog = watchdog
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.watchdog.kick(f"batch {batch + 1} of model.fit")
+
+
+def fit(spec: ModelSpec, data: Dataset, cfg: TrainConfig, world: World, watchdog: Watchdog):
     """Train with model.fit on this rank's slice of every global batch, in the shared order."""
     hvd = world.hvd if world.size > 1 else None
     elements = spec.build(range(len(spec)), cfg.seed)
@@ -117,7 +129,7 @@ def fit(spec: ModelSpec, data: Dataset, cfg: TrainConfig, world: World):
     )
     total, per_epoch = step_plan(len(data.x), cfg.batch_size, cfg.epochs, cfg.steps)
     recorder = LossRecorder(hvd)
-    callbacks = [recorder, LearningRateWarmup(cfg, world.size, per_epoch)]
+    callbacks = [recorder, LearningRateWarmup(cfg, world.size, per_epoch), KickWatchdog(watchdog)]
     if hvd is not None:
         callbacks += [BroadcastInitialState(hvd), MetricAverage(hvd)]
     local_batch = cfg.batch_size // world.size
