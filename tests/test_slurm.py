@@ -138,12 +138,14 @@ def test_rendered_script_runs_under_sbatch_from_any_folder(slurm, tmp_path):
     assert (tmp_path / f"rendered-{record.job_id}.out").exists()
 
 
-def test_killed_rank_ends_the_srun_step(slurm, tmp_path):
-    """SIGKILL on one rank mid-training: srun ends the step, non-zero, well within 30 s."""
+@pytest.mark.parametrize("sig,bound", [(signal.SIGKILL, 30), (signal.SIGSTOP, 8 + 30)])
+def test_killed_or_stopped_rank_ends_the_srun_step(slurm, tmp_path, sig, bound):
+    """SIGKILL on one rank mid-training: srun ends the step, non-zero, well within 30 s.
+    SIGSTOP (no launcher notices): ringtrain's watchdog ends it within --comm-timeout + 30 s."""
     tag = f"kill-{uuid.uuid4().hex[:8]}"
     log = tmp_path / "srun.out"
     argv = ["srun", "--mpi=pmix", "-n", "2", f"--comment={tag}", JOB_LIMIT]
-    argv += ["ringtrain", "train", "--strategy", "data", "--steps", "100000"]
+    argv += ["ringtrain", "train", "--strategy", "data", "--steps", "100000", "--comm-timeout", "8"]
     watch = slurm.watch(tag)
     try:
         with open(log, "w") as out:
@@ -156,13 +158,13 @@ def test_killed_rank_ends_the_srun_step(slurm, tmp_path):
             victims = rank_pids(slurm, job_id, rank=1)
             assert victims, slurm.client(["scontrol", "listpids", str(job_id)]).stdout
             for pid in victims:
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, sig)
             killed = time.monotonic()
             try:
-                returncode = step.wait(timeout=30)
+                returncode = step.wait(timeout=bound)
             except subprocess.TimeoutExpired:
-                pytest.fail(f"srun still running 30 s after rank 1 was killed:\n{read(log)}")
-            assert time.monotonic() - killed < 30
+                pytest.fail(f"srun still running {bound} s after rank 1 got {sig!r}:\n{read(log)}")
+            assert time.monotonic() - killed < bound
             assert returncode != 0, read(log)
             record = watch.record()
             assert record.state != "COMPLETED", record
