@@ -125,7 +125,7 @@ class PipelineEngine(Checkpointable):
             shard(mine, m, self.cfg.microbatches) for m in range(self.cfg.microbatches)
         ]
         self.grads = [tf.zeros_like(v) for v in self.variables]
-        self.loss, self.inflight, self.outputs, self.input_grads = 0.0, {}, {}, {}
+        self.loss, self.inflight, self.received, self.input_grads = 0.0, {}, {}, {}
         for action in self.actions:
             start = time.time()
             self.dispatch[action.op](action.mb)
@@ -177,7 +177,7 @@ class PipelineEngine(Checkpointable):
     # ---- the actions ----------------------------------------------------------------------
     def _forward(self, mb: int) -> None:
         idx = self.microbatches[mb]
-        x = tf.constant(self.data.x[idx]) if self.first_stage else self.inflight_input
+        x = tf.constant(self.data.x[idx]) if self.first_stage else self.received.pop(mb)
         with tf.GradientTape() as tape:
             tape.watch(x)
             out = forward(self.elements, x)
@@ -203,7 +203,7 @@ class PipelineEngine(Checkpointable):
     def _recv_act(self, mb: int) -> None:
         buf = self.act_in[mb % len(self.act_in)]
         self.link.recv(buf, self.stage - 1, _tag(ACT, mb), f"activation of microbatch {mb}")
-        self.inflight_input = tf.constant(buf)
+        self.received[mb] = tf.constant(buf)
 
     def _send_grad(self, mb: int) -> None:
         grad = np.ascontiguousarray(self.input_grads.pop(mb).numpy())
