@@ -165,3 +165,16 @@ def test_user_arrays_train_through_npz(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(metrics.read_text())["world_size"] == 2
+
+
+@pytest.mark.parametrize(
+    "launcher",
+    [
+        ["horovodrun", "-np", "2", "--hostfile", "hostfiles/localhost.horovod"],
+        ["mpirun", "-np", "2", "--hostfile", "hostfiles/localhost.mpirun"],
+    ],
+)
+def test_the_example_hostfiles_launch_a_2_rank_training(launcher):
+    done = run([*launcher, "ringtrain", "train", "--steps", "3", "--batch-size", "32"])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "ringtrain: strategy data, 2 rank(s)" in done.stdout

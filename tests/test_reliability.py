@@ -186,3 +186,23 @@ def test_a_data_parallel_checkpoint_resumes_as_single_process_with_the_same_weig
     whole = ringtrain("train", "--strategy", "single", *flags, "--weights-out", str(b))
     assert whole.returncode == 0, whole.stderr[-2000:]
     assert relative_difference(load_npz(a), load_npz(b)) <= 1e-5
+
+
+def test_only_the_last_k_checkpoints_are_kept(tmp_path):
+    folder = tmp_path / "ckpt"
+    done = ringtrain(
+        "train",
+        "--strategy",
+        "single",
+        "--steps",
+        "5",
+        "--checkpoint-dir",
+        str(folder),
+        "--checkpoint-every",
+        "1",
+        "--keep",
+        "2",
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert sorted(p.name for p in folder.iterdir()) == ["step-00000004", "step-00000005"]
+    assert all((p / MANIFEST).exists() for p in folder.iterdir())

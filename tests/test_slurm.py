@@ -138,14 +138,23 @@ def test_rendered_script_runs_under_sbatch_from_any_folder(slurm, tmp_path):
     assert (tmp_path / f"rendered-{record.job_id}.out").exists()
 
 
+SRUN_STRATEGIES = {  # strategy: (tasks, train arguments)
+    "data": (2, ["--strategy", "data"]),
+    "pipeline": (2, ["--strategy", "pipeline"]),
+    "hybrid": (4, ["--strategy", "hybrid", "--pp-size", "2", "--microbatches", "2"]),
+}
+
+
+@pytest.mark.parametrize("strategy", sorted(SRUN_STRATEGIES))
 @pytest.mark.parametrize("sig,bound", [(signal.SIGKILL, 30), (signal.SIGSTOP, 8 + 30)])
-def test_killed_or_stopped_rank_ends_the_srun_step(slurm, tmp_path, sig, bound):
+def test_killed_or_stopped_rank_ends_the_srun_step(slurm, tmp_path, strategy, sig, bound):
     """SIGKILL on one rank mid-training: srun ends the step, non-zero, well within 30 s.
     SIGSTOP (no launcher notices): ringtrain's watchdog ends it within --comm-timeout + 30 s."""
     tag = f"kill-{uuid.uuid4().hex[:8]}"
     log = tmp_path / "srun.out"
-    argv = ["srun", "--mpi=pmix", "-n", "2", f"--comment={tag}", JOB_LIMIT]
-    argv += ["ringtrain", "train", "--strategy", "data", "--steps", "100000", "--comm-timeout", "8"]
+    tasks, train_args = SRUN_STRATEGIES[strategy]
+    argv = ["srun", "--mpi=pmix", "-n", str(tasks), f"--comment={tag}", JOB_LIMIT]
+    argv += ["ringtrain", "train", *train_args, "--steps", "100000", "--comm-timeout", "8"]
     watch = slurm.watch(tag)
     try:
         with open(log, "w") as out:
