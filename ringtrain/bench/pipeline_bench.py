@@ -8,101 +8,58 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from statistics import median
 
-RESULTS = Path("benchmarks/results")
-ROOT_OK = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-THREADS = {"RINGTRAIN_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3"}
+from ringtrain.bench.common import (
+    deadline,
+    mpi_env,
+    mpirun_command,
+    run_bounded,
+    summarise_contenders,
+)
+
+MICROBATCHES = [1, 2, 4, 8, 16]
 
 
-def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="bench", required=True, parser_class=type(parser))
-    p = sub.add_parser(
-        "pipeline",
-        help="measured vs predicted bubble, GPipe vs 1F1B, P=2",
-        prog=f"{parser.prog} pipeline",
-    )
-    p.add_argument("--quick", action="store_true", help="a smoke run (under 3 minutes)")
-    p.add_argument("--rounds", type=int, help="alternation rounds (default 3, quick 3)")
-    p.add_argument("--out", default=str(RESULTS / "pipeline.json"))
-    p.add_argument("--png", default=str(RESULTS / "pipeline.png"))
-
-
-def run_bench_command(args: argparse.Namespace) -> int:
-    rounds = args.rounds or 3
+def measure(args: argparse.Namespace) -> dict:
+    """One 2-rank mpirun in which every contender takes its turn, round after round."""
     steps = 2 if args.quick else 8
-    micro = [1, 2, 4, 8, 16]
     with tempfile.TemporaryDirectory() as tmp:
-        raw_path = os.path.join(tmp, "raw.json")
-        cmd = [
-            "mpirun",
-            "--oversubscribe",
-            "-np",
-            "2",
-            "-x",
-            "RINGTRAIN_THREADS",
-            sys.executable,
-            "-m",
+        raw_path = Path(tmp) / "raw.json"
+        cmd = mpirun_command(
+            2,
             "ringtrain.bench.pipeline_worker",
-            raw_path,
-            str(rounds),
+            str(raw_path),
+            str(args.rounds),
             str(steps),
-            ",".join(map(str, micro)),
-        ]
-        done = subprocess.run(cmd, env={**os.environ, **ROOT_OK, **THREADS})
-        if done.returncode != 0:
-            print(
-                f"ringtrain bench: error: the benchmark ranks failed (exit {done.returncode})",
-                file=sys.stderr,
-            )
-            return 1
-        raw = json.loads(Path(raw_path).read_text())
-    report = summarise(raw) | {
-        "machine": machine_facts(),
-        "quick": args.quick,
-        "threads": {"intra_op": 1, "inter_op": 1, "ranks": 2},
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1))
-    draw(report, args.png)
-    for row in report["summary"]:
-        print(
-            f"{row['contender']:>12}: {row['samples_per_sec_median']:8.1f} samples/s"
-            + (
-                f"  bubble measured {row['bubble_measured_median']:.3f} predicted "
-                f"{row['bubble_predicted_median']:.3f}"
-                if "bubble_measured_median" in row
-                else ""
-            )
+            ",".join(map(str, MICROBATCHES)),
         )
-    print(f"wrote {args.out} and {args.png}")
-    return 0
+        run_bounded(cmd, mpi_env(threads=1), deadline(args.quick), Path(tmp) / "ranks.log")
+        raw = json.loads(raw_path.read_text())
+    return summarise(raw) | {"threads": {"intra_op": 1, "inter_op": 1, "ranks": 2}}
+
+
+def describe(report: dict) -> list[str]:
+    return [
+        f"{row['contender']:>12}: {row['samples_per_sec_median']:8.1f} samples/s"
+        + (
+            f"  bubble measured {row['bubble_measured_median']:.3f} predicted "
+            f"{row['bubble_predicted_median']:.3f}"
+            if "bubble_measured_median" in row
+            else ""
+        )
+        for row in report["summary"]
+    ]
 
 
 def summarise(raw: dict) -> dict:
     """Medians and ranges per contender; throughput ratios to single, computed per round."""
     rows = raw["raw"]
-    single = {r["round"]: r["samples_per_sec"] for r in rows if r["contender"] == "single"}
-    summary = []
-    for name in dict.fromkeys(r["contender"] for r in rows):
-        mine = [r for r in rows if r["contender"] == name]
-        rates = [r["samples_per_sec"] for r in mine]
-        entry = {
-            "contender": name,
-            "samples_per_sec_median": median(rates),
-            "samples_per_sec_min": min(rates),
-            "samples_per_sec_max": max(rates),
-            "speedup_vs_single_per_round": [
-                r["samples_per_sec"] / single[r["round"]] for r in mine
-            ],
-        }
-        entry["speedup_vs_single_median"] = median(entry["speedup_vs_single_per_round"])
+    summary = summarise_contenders(rows, "samples_per_sec", "single", "speedup_vs_single")
+    for entry in summary:
+        mine = [r for r in rows if r["contender"] == entry["contender"]]
         if "bubble_measured" in mine[0]:
             for key in ("bubble_measured", "bubble_predicted", "bubble_predicted_unit"):
                 entry[f"{key}_median"] = median(r[key] for r in mine)
@@ -121,7 +78,6 @@ def summarise(raw: dict) -> dict:
             entry["peak_activation_bytes"] = [
                 p * entry["boundary_bytes_per_microbatch"][0] for p in entry["peak_inflight"]
             ]
-        summary.append(entry)
     pipelines = [e for e in summary if "bubble_gap" in e]
     target = next((e for e in pipelines if e["contender"] == "1f1b M=8"), None)
     targets = {
@@ -131,18 +87,8 @@ def summarise(raw: dict) -> dict:
     return {"raw": raw, "summary": summary, "targets": targets}
 
 
-def machine_facts() -> dict:
-    import tensorflow as tf
-
-    return {
-        "cpus": os.cpu_count(),
-        "machine": platform.machine(),
-        "python": platform.python_version(),
-        "tensorflow": tf.__version__,
-    }
-
-
 def draw(report: dict, path: str) -> None:
+    """Bubble against M (measured and predicted), and speed-up over one process."""
     import matplotlib
 
     matplotlib.use("Agg")

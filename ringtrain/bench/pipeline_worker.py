@@ -14,16 +14,10 @@ from dataclasses import replace
 import numpy as np
 
 from ringtrain import runtime
+from ringtrain.bench.common import idle_barrier
 from ringtrain.config import TrainConfig
 from ringtrain.data import epoch_batches, load_synthetic
 from ringtrain.models import cnn
-
-
-def _idle_barrier(comm) -> None:
-    """A barrier that sleeps while waiting, so an idle rank does not steal the other's core."""
-    request = comm.Ibarrier()
-    while not request.Test():
-        time.sleep(0.001)
 
 
 def _single(spec, data, cfg, world, steps) -> float:
@@ -98,7 +92,7 @@ def main(out_path: str, rounds: int, steps: int, microbatches: list[int]) -> Non
         if world.rank == 0:
             rate = _single(spec, data, base, world, steps)
             results.append({"round": round_index, "contender": "single", "samples_per_sec": rate})
-        _idle_barrier(world.comm)
+        idle_barrier(world.comm)
         for m in microbatches:
             for kind in ("gpipe", "1f1b"):
                 cfg = replace(base, schedule=kind, microbatches=m)

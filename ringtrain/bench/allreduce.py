@@ -1,0 +1,172 @@
+"""`ringtrain bench allreduce`: what the gradient exchange can move, per message size.
+
+Contenders: Horovod's allreduce (what `--strategy data` uses), mpi4py's Allreduce on numpy
+buffers (the MPI library alone), and ringtrain's hand-written ring (ring.py); np.copyto on one
+rank gives the memory bandwidth that bounds them all on one machine. 2 ranks, then 4 (more
+ranks than cores here, so marked oversubscribed). Bus bandwidth, size/time x 2(N-1)/N, is what
+each link carries in a ring, so it is comparable across rank counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from ringtrain.bench.common import (
+    deadline,
+    mpi_env,
+    mpirun_command,
+    run_bounded,
+    spread,
+    summarise_contenders,
+)
+
+KiB, MiB = 1024, 1024 * 1024
+SIZES = [4 * KiB * 4**k for k in range(8)]  # 4 KiB .. 64 MiB
+QUICK_SIZES = [4 * KiB, 256 * KiB, 4 * MiB]
+RANKS = [2, 4]
+REFERENCE = "mpi4py Allreduce"
+TARGETS = {"horovod": 0.9, "ring": 0.7}  # x mpi4py Allreduce's busbw, from TARGET_BYTES up
+TARGET_BYTES = 4 * MiB
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """One mpirun per rank count; inside each, the contenders alternate round by round."""
+    sizes = QUICK_SIZES if args.quick else SIZES
+    budget, max_iters = (16 * MiB, 100) if args.quick else (256 * MiB, 400)
+    limit = time.monotonic() + deadline(args.quick)
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for ranks in RANKS:
+            raw_path = Path(tmp) / f"raw{ranks}.json"
+            cmd = mpirun_command(
+                ranks,
+                "ringtrain.bench.allreduce_worker",
+                str(raw_path),
+                str(args.rounds),
+                ",".join(map(str, sizes)),
+                str(budget),
+                str(max_iters),
+            )
+            log = Path(tmp) / f"ranks{ranks}.log"
+            run_bounded(cmd, mpi_env(threads=1), limit - time.monotonic(), log)
+            raw = json.loads(raw_path.read_text())
+            runs.append(raw | {"oversubscribed": ranks > (os.cpu_count() or 1)})
+    return summarise(runs) | {"rounds": args.rounds, "sizes": sizes, "budget_bytes": budget}
+
+
+def _with_bandwidths(run: dict) -> list[dict]:
+    """algbw = size/time; busbw scales it by 2(N-1)/N, the share each rank sends in a ring."""
+    n = run["ranks"]
+    rows = []
+    for r in run["rows"]:
+        algbw = r["bytes"] / r["seconds"] / 1e9
+        busbw = algbw * 2 * (n - 1) / n if r["contender"] != "memcpy" else None
+        rows.append(r | {"ranks": n, "algbw_GBps": algbw, "busbw_GBps": busbw})
+    return rows
+
+
+def summarise(runs: list[dict]) -> dict:
+    summary = []
+    for run in runs:
+        rows = _with_bandwidths(run)
+        for nbytes in dict.fromkeys(r["bytes"] for r in rows):
+            at_size = [r for r in rows if r["bytes"] == nbytes]
+            for entry in summarise_contenders(at_size, "algbw_GBps", REFERENCE, "vs_allreduce"):
+                busbw = [r["busbw_GBps"] for r in at_size if r["contender"] == entry["contender"]]
+                if None not in busbw:
+                    entry |= {f"busbw_GBps_{k}": v for k, v in spread(busbw).items()}
+                summary.append(
+                    {
+                        "ranks": run["ranks"],
+                        "oversubscribed": run["oversubscribed"],
+                        "bytes": nbytes,
+                    }
+                    | entry
+                )
+    return {"runs": runs, "summary": summary, "targets": _targets(summary)}
+
+
+def _targets(summary: list[dict]) -> dict:
+    """Judged on ranks that have a core each, at sizes where bandwidth, not latency, rules."""
+    judged = [e for e in summary if not e["oversubscribed"] and e["bytes"] >= TARGET_BYTES]
+    targets = {}
+    for contender, threshold in TARGETS.items():
+        ratios = [e["vs_allreduce_median"] for e in judged if e["contender"] == contender]
+        targets[f"{contender}_busbw_at_least_{threshold}x_allreduce_from_4MiB"] = {
+            "threshold": threshold,
+            "worst_median_ratio": min(ratios) if ratios else None,
+            "judged_on": sorted({(e["ranks"], e["bytes"]) for e in judged}),
+            "met": bool(ratios) and min(ratios) >= threshold,
+        }
+    return targets
+
+
+def size_label(nbytes: int) -> str:
+    return f"{nbytes // MiB} MiB" if nbytes >= MiB else f"{nbytes // KiB} KiB"
+
+
+def describe(report: dict) -> list[str]:
+    lines = []
+    for e in report["summary"]:
+        if e["contender"] == "memcpy":
+            rate = f"{e['algbw_GBps_median']:8.3g} GB/s copied"
+        else:
+            rate = f"{e['busbw_GBps_median']:8.3g} GB/s busbw ({e['vs_allreduce_median']:.2f}x)"
+        over = " (oversubscribed)" if e["oversubscribed"] else ""
+        lines.append(
+            f"{e['ranks']} ranks{over} {size_label(e['bytes']):>8} {e['contender']:>17}: {rate}"
+        )
+    for name, t in report["targets"].items():
+        lines.append(f"target {name}: {'met' if t['met'] else 'NOT met'}")
+    return lines
+
+
+def draw(report: dict, path: str) -> None:
+    """Bus bandwidth against size (memcpy as the ceiling), and the ratio to MPI's Allreduce."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    colours = {"horovod": "tab:blue", REFERENCE: "tab:green", "ring": "tab:orange"}
+    for ranks, style in zip(RANKS, ("o-", "x--"), strict=True):
+        mine = [e for e in report["summary"] if e["ranks"] == ranks]
+        over = ", oversubscribed" if mine and mine[0]["oversubscribed"] else ""
+        for contender, colour in colours.items():
+            rows = [e for e in mine if e["contender"] == contender]
+            sizes = [e["bytes"] for e in rows]
+            label = f"{contender}, {ranks} ranks{over}"
+            left.plot(
+                sizes, [e["busbw_GBps_median"] for e in rows], style, color=colour, label=label
+            )
+            if contender != REFERENCE:
+                ratios = [e["vs_allreduce_median"] for e in rows]
+                right.plot(sizes, ratios, style, color=colour, label=label)
+        copies = [e for e in mine if e["contender"] == "memcpy"]
+        left.plot(
+            [e["bytes"] for e in copies],
+            [e["algbw_GBps_median"] for e in copies],
+            style,
+            color="grey",
+            label=f"memcpy, 1 rank (of {ranks})",
+        )
+    for threshold in TARGETS.values():
+        right.axhline(threshold, color="grey", lw=0.8, ls=":")
+    sizes = report["sizes"]
+    for axes in (left, right):
+        axes.set_xscale("log")
+        axes.set_xticks(sizes, [size_label(n) for n in sizes], fontsize=7)
+        axes.minorticks_off()
+        axes.set_xlabel("message size (float32)")
+    left.set(yscale="log", ylabel="GB/s", title="bus bandwidth (memcpy: copy bandwidth)")
+    right.set(ylabel="busbw / mpi4py Allreduce", title="ratio to MPI (dotted: targets)")
+    left.legend(fontsize=7)
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

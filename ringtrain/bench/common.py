@@ -1,0 +1,344 @@
+"""What every `ringtrain bench` shares: the subcommands, bounded launches, facts, round maths.
+
+Parent side: the `bench` subparser and its dispatch, mpirun commands with the root and thread
+environment, subprocesses that cannot outlive their deadline, machine facts and versions, and
+the summaries of alternating rounds (medians, ranges, ratios matched round by round).
+Rank side: waits that sleep instead of spinning, Horovod switched on only while measured, and
+the one-line JSON protocol of the long-lived benchmark drivers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from importlib import metadata
+from pathlib import Path
+from statistics import median
+
+from ringtrain.errors import EXIT_FAILURE, UserError, report
+
+RESULTS = Path("benchmarks/results")
+ROOT_OK = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+QUIET = {"TF_CPP_MIN_LOG_LEVEL": "3"}
+# name -> (module with measure/draw/describe, help line, rounds in full mode)
+BENCHES = {
+    "pipeline": (
+        "ringtrain.bench.pipeline_bench",
+        "measured vs predicted bubble, GPipe vs 1F1B, P=2",
+        3,
+    ),
+    "strategies": (
+        "ringtrain.bench.strategies",
+        "ringtrain's data and pipeline parallelism against TensorFlow's strategies",
+        5,
+    ),
+    "allreduce": (
+        "ringtrain.bench.allreduce",
+        "allreduce bandwidth: Horovod, mpi4py, a hand-written ring, memcpy",
+        5,
+    ),
+}
+PROTOCOL = "@bench "  # marks driver replies among whatever else a rank prints on stdout
+
+
+class RunFailed(Exception):
+    """A benchmark process failed or missed its deadline; the message says which and why."""
+
+
+# ---- the `ringtrain bench` command ---------------------------------------------------------
+
+
+def _rounds(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 3:
+        raise argparse.ArgumentTypeError(f"at least 3 rounds are needed, got {value}")
+    return value
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """One subcommand per benchmark, all with the same flags."""
+    sub = parser.add_subparsers(dest="bench", required=True, parser_class=type(parser))
+    for name, (_, purpose, full_rounds) in BENCHES.items():
+        p = sub.add_parser(name, help=purpose, description=purpose, prog=f"{parser.prog} {name}")
+        p.add_argument("--quick", action="store_true", help="a smoke run (under 3 minutes)")
+        p.add_argument(
+            "--rounds", type=_rounds, help=f"alternation rounds (default {full_rounds}, quick 3)"
+        )
+        p.add_argument("--out", default=str(RESULTS / f"{name}.json"), help="raw and summary JSON")
+        p.add_argument("--png", default=str(RESULTS / f"{name}.png"), help="the chart")
+
+
+def _prepare_outputs(args: argparse.Namespace) -> None:
+    """Bad output paths fail before minutes of measuring, not after."""
+    from ringtrain.config import _writable_file
+
+    if Path(args.png).suffix.lower() != ".png":
+        raise UserError(f"--png {args.png}: the chart is written as PNG, so name it *.png")
+    for flag, path in (("--out", args.out), ("--png", args.png)):
+        folder = Path(path).resolve().parent
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"{flag} {path}: cannot create folder {folder} ({exc})") from None
+        _writable_file(flag, path)
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    """Measure, then write the JSON and the chart and print the summary lines."""
+    module_name, _, full_rounds = BENCHES[args.bench]
+    args.rounds = args.rounds or (3 if args.quick else full_rounds)
+    _prepare_outputs(args)
+    bench = importlib.import_module(module_name)
+    started = time.perf_counter()
+    try:
+        result = bench.measure(args)
+    except RunFailed as exc:
+        report(f"ringtrain bench {args.bench}", str(exc))
+        return EXIT_FAILURE
+    result |= {"machine": machine_facts(), "quick": args.quick}
+    result["wall_seconds"] = time.perf_counter() - started
+    write_json(args.out, result)
+    bench.draw(result, args.png)
+    for line in bench.describe(result):
+        print(line)
+    print(f"wrote {args.out} and {args.png} in {result['wall_seconds']:.0f} s")
+    return 0
+
+
+def write_json(path: str, data: dict) -> None:
+    """Atomically: a crash never leaves half a results file behind."""
+    partial = f"{path}.partial"
+    Path(partial).write_text(json.dumps(data, indent=1))
+    os.replace(partial, path)
+
+
+# ---- machine facts ------------------------------------------------------------------------
+
+
+def _version(*distributions: str) -> str | None:
+    for name in distributions:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _cpu_model() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "")
+
+
+def machine_facts() -> dict:
+    """What the numbers depend on; read without importing TensorFlow or starting MPI."""
+    try:
+        mpi = subprocess.run(
+            ["mpirun", "--version"], capture_output=True, text=True, timeout=30
+        ).stdout.splitlines()[0]
+    except (OSError, IndexError, subprocess.TimeoutExpired):
+        mpi = None
+    return {
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "cpu_model": _cpu_model(),
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "tensorflow": _version("tensorflow-cpu", "tensorflow"),
+        "keras": _version("keras"),
+        "numpy": _version("numpy"),
+        "mpi4py": _version("mpi4py"),
+        "horovod": _version("horovod"),
+        "mpi": mpi,
+    }
+
+
+# ---- bounded processes --------------------------------------------------------------------
+
+
+def deadline(quick: bool) -> float:
+    """Seconds a whole bench may take before it counts as hung. Quick runs take about a
+    minute and full ones under 20 on a quiet machine; the slack is for a machine shared with
+    other jobs, which can slow start-up (TensorFlow in up to 11 processes) severalfold."""
+    return 420.0 if quick else 2400.0
+
+
+def mpi_env(threads: int) -> dict[str, str]:
+    """Open MPI as root, TensorFlow quiet, and every rank's pools sized by ringtrain's rule."""
+    return {**os.environ, **ROOT_OK, **QUIET, "RINGTRAIN_THREADS": str(threads)}
+
+
+def mpirun_command(ranks: int, module: str, *args: str) -> list[str]:
+    """`mpirun` running a Python module in every rank (oversubscription allowed: the benches
+    run more ranks than cores on purpose, and say so)."""
+    return [
+        "mpirun",
+        "--oversubscribe",
+        "-np",
+        str(ranks),
+        "-x",
+        "RINGTRAIN_THREADS",
+        sys.executable,
+        "-m",
+        module,
+        *args,
+    ]
+
+
+def _processes() -> dict[int, tuple[int, float]]:
+    """pid -> (session id, CPU seconds used) for every process, from /proc (Linux; elsewhere
+    nothing is found, so only the session leaders are ended and no CPU is counted)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    found: dict[int, tuple[int, float]] = {}
+    proc = Path("/proc")
+    for entry in proc.iterdir() if proc.is_dir() else []:
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # ended while we looked
+            continue
+        found[int(entry.name)] = (int(fields[3]), (int(fields[11]) + int(fields[12])) / tick)
+    return found
+
+
+def session_cpu_seconds(leaders: list[int]) -> float:
+    """CPU time used so far by the sessions these processes lead (mpirun's ranks included)."""
+    wanted = set(leaders)
+    return sum(cpu for sid, cpu in _processes().values() if sid in wanted)
+
+
+def start_session(cmd: list[str], env: dict[str, str], **popen) -> subprocess.Popen:
+    """A child that leads its own session, so it and everything it starts can be ended."""
+    return subprocess.Popen(cmd, env=env, start_new_session=True, **popen)
+
+
+def end_session(process: subprocess.Popen, grace: float = 5.0) -> None:
+    """SIGTERM (mpirun passes it to its ranks), then SIGKILL whatever of the session is left."""
+    if process.poll() is None:
+        with suppress(ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(timeout=grace)
+    for pid, (sid, _) in _processes().items():
+        if sid == process.pid:
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    process.wait()
+
+
+def last_words(log: Path) -> str:
+    """The last line a failed process wrote that is not TensorFlow's start-up chatter."""
+    noise = ("WARNING: All log messages", "I0000 ", "To enable the following")
+    try:
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines()]
+    except OSError:
+        return "no output"
+    said = [ln for ln in lines if ln and not ln.startswith(noise)]
+    return said[-1][:300] if said else "no output"
+
+
+def run_bounded(cmd: list[str], env: dict[str, str], timeout: float, log: Path) -> None:
+    """Run to completion within timeout seconds, stderr to log; RunFailed otherwise."""
+    with open(log, "w") as err:
+        process = start_session(cmd, env, stderr=err)
+        try:
+            code = process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            end_session(process)
+            raise RunFailed(f"{Path(cmd[0]).name} did not finish within {timeout:.0f} s") from None
+        except BaseException:
+            end_session(process)
+            raise
+    if code != 0:
+        raise RunFailed(f"the benchmark ranks failed (exit {code}): {last_words(log)}")
+
+
+# ---- rounds -------------------------------------------------------------------------------
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": median(values), "min": min(values), "max": max(values)}
+
+
+def per_round(rows: list[dict], contender: str, metric: str) -> dict[int, float]:
+    return {r["round"]: r[metric] for r in rows if r["contender"] == contender}
+
+
+def round_ratios(
+    rows: list[dict], metric: str, numerator: str, denominator: str, scale: float = 1.0
+) -> list[float]:
+    """numerator / (scale x denominator), each round against its own round: drift cancels."""
+    top, bottom = per_round(rows, numerator, metric), per_round(rows, denominator, metric)
+    return [top[r] / (scale * bottom[r]) for r in sorted(top) if r in bottom]
+
+
+def summarise_contenders(
+    rows: list[dict], metric: str, reference: str, ratio_name: str
+) -> list[dict]:
+    """Per contender, in first-seen order: median and range of metric, and its per-round ratio
+    to the reference contender."""
+    summary = []
+    for name in dict.fromkeys(r["contender"] for r in rows):
+        values = [r[metric] for r in rows if r["contender"] == name]
+        ratios = round_ratios(rows, metric, name, reference)
+        stats = spread(values)
+        summary.append(
+            {
+                "contender": name,
+                **{f"{metric}_{k}": v for k, v in stats.items()},
+                f"{ratio_name}_per_round": ratios,
+                f"{ratio_name}_median": median(ratios) if ratios else None,
+            }
+        )
+    return summary
+
+
+# ---- inside the ranks ---------------------------------------------------------------------
+
+
+def idle_wait(request) -> None:
+    """Complete an MPI request while sleeping, so a waiting rank leaves its core to the others."""
+    while not request.Test():
+        time.sleep(0.001)
+
+
+def idle_barrier(comm) -> None:
+    idle_wait(comm.Ibarrier())
+
+
+@contextmanager
+def horovod_running(comm) -> Iterator[object]:
+    """Horovod only while it is measured: its idle background thread polls MPI and would take
+    CPU from whichever contender runs meanwhile."""
+    import horovod.tensorflow as hvd
+
+    hvd.init(comm=comm)
+    try:
+        yield hvd
+    finally:
+        hvd.shutdown()
+
+
+def reply(message: dict) -> None:
+    """One protocol line to the parent."""
+    print(PROTOCOL + json.dumps(message), flush=True)
+
+
+def read_command() -> dict:
+    """The parent's next command; a closed pipe means the parent is gone, so quit."""
+    line = sys.stdin.readline()
+    return json.loads(line) if line.strip() else {"cmd": "quit"}

@@ -1,0 +1,385 @@
+"""`ringtrain bench strategies`: ringtrain's data and pipeline parallelism against TensorFlow's
+distribution strategies, on one CNN, one synthetic data set, global batch 64 and SGD(0.01).
+
+Every contender lives in its own long-lived processes, started once; then the contenders take
+turns, round after round, each measuring `steps` steps while all others sit idle (blocked on a
+pipe; the CPU time they use meanwhile is recorded as a check). Thread pools are 1 intra-op and
+1 inter-op per process, so 2 processes on 2 cores are fair against 1 process on 1 core; where
+a TensorFlow strategy cannot run that way it gets what it needs, and the JSON says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from contextlib import suppress
+from pathlib import Path
+from queue import Empty, Queue
+from typing import TYPE_CHECKING
+
+from ringtrain.bench.common import (
+    PROTOCOL,
+    QUIET,
+    RunFailed,
+    deadline,
+    end_session,
+    last_words,
+    mpi_env,
+    mpirun_command,
+    round_ratios,
+    session_cpu_seconds,
+    spread,
+    start_session,
+    summarise_contenders,
+)
+
+if TYPE_CHECKING:
+    from ringtrain.data import Dataset
+    from ringtrain.models import ModelSpec
+
+BATCH, LR, SEED = 64, 0.01, 0
+SAMPLES, SHAPE, CLASSES = 1024, (32, 32, 3), 10
+# The contenders. DP is ringtrain's data parallelism as `ringtrain train --strategy data` runs
+# it; the 2-rank contenders (and SINGLE, on rank 0) share one mpirun, ALL_CORES has its own.
+SINGLE, DP, FIT, PIPELINE = "single", "data custom", "data fit", "pipeline 1f1b M=8"
+ALL_CORES = "single all cores"
+MWMS, PS, MIRRORED = "TF MultiWorkerMirrored", "TF ParameterServer", "TF Mirrored"
+TARGETS = {  # name -> (the ratio it reads, threshold)
+    "dp_efficiency_at_least_0.93": (f"{DP} efficiency", 0.93),
+    "dp_at_least_1.05x_mwms": (f"{DP} / {MWMS}", 1.05),
+    "dp_at_least_1.15x_ps": (f"{DP} / {PS}", 1.15),
+}
+CORES = os.cpu_count() or 1
+# process kind -> (intra-op threads, inter-op threads, why)
+THREADS = {
+    "ringtrain rank": (1, 1, "RINGTRAIN_THREADS=1 in each of the 2 ranks"),
+    "all-cores process": (CORES, CORES, "ringtrain's rule for one rank: the whole machine"),
+    "mwms worker": (1, 1, "one thread per worker process, like ringtrain's ranks"),
+    "mirrored": (1, 2, "with 1 inter-op thread MirroredStrategy runs its 2 replicas in turn"),
+    "ps worker": (1, 2, "ParameterServerStrategy workers hang with 1 inter-op thread"),
+    "ps server": (1, 1, "holds the variables and applies the updates"),
+    "ps coordinator": (1, 1, "schedules steps on the workers"),
+}
+PROCESSES = {  # contender -> [(how many, process kind)] while it runs
+    SINGLE: [(1, "ringtrain rank")],  # rank 0 alone; the other rank waits asleep
+    DP: [(2, "ringtrain rank")],
+    FIT: [(2, "ringtrain rank")],
+    PIPELINE: [(2, "ringtrain rank")],
+    ALL_CORES: [(1, "all-cores process")],
+    MWMS: [(2, "mwms worker")],
+    PS: [(1, "ps coordinator"), (1, "ps server"), (2, "ps worker")],
+    MIRRORED: [(1, "mirrored")],
+}
+NOTES = {  # what each contender's step is, where it is not obvious
+    SINGLE: "ringtrain's custom loop in rank 0 alone (COMM_SELF), no Horovod",
+    DP: "ringtrain's custom loop: one tf.function, grouped Horovod allreduce, loss per step",
+    FIT: "model.fit with ringtrain's distributed_optimizer and BroadcastInitialState",
+    PIPELINE: "ringtrain's pipeline executor, 2 stages, 1F1B, 8 microbatches of 8",
+    ALL_CORES: "ringtrain's custom loop, one process, thread pools sized to every core",
+    MWMS: "strategy.run in a tf.function, RING collectives over gRPC, loss reduced per step",
+    PS: "ClusterCoordinator.schedule: asynchronous, each step one update from 64 examples on "
+    "one worker, both workers stepping at once",
+    MIRRORED: "strategy.run in a tf.function over 2 logical CPU devices of one process",
+}
+RINGTRAIN_GROUPS = ("ringtrain", "all cores")  # must work; a TF group may fail, with a reason
+
+
+def workload() -> tuple[Dataset, ModelSpec]:
+    """The data and model every contender trains (imports TensorFlow: call it in workers)."""
+    from ringtrain.data import load_synthetic
+    from ringtrain.models import cnn
+
+    data = load_synthetic(SAMPLES, SHAPE, CLASSES, seed=SEED)
+    return data, cnn(data.input_shape, data.n_classes)
+
+
+# ---- the processes the parent drives ------------------------------------------------------
+
+
+class Process:
+    """One child: commands go to its stdin; its protocol lines come back through a queue."""
+
+    def __init__(self, role: str, cmd: list[str], env: dict[str, str], logs: Path):
+        self.role, self.log = role, logs / f"{role.replace(' ', '_')}.log"
+        with open(self.log, "w") as err:
+            self.popen = start_session(
+                cmd, env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True
+            )
+        self.replies: Queue[dict | None] = Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.popen.stdout:
+            if line.startswith(PROTOCOL):
+                self.replies.put(json.loads(line[len(PROTOCOL) :]))
+        self.replies.put(None)  # stdout closed: the process ended
+
+    def send(self, message: dict) -> None:
+        try:
+            self.popen.stdin.write(json.dumps(message) + "\n")
+            self.popen.stdin.flush()
+        except OSError:
+            raise RunFailed(f"{self.role} is gone: {last_words(self.log)}") from None
+
+    def receive(self, until: float) -> dict:
+        try:
+            message = self.replies.get(timeout=max(0.0, until - time.monotonic()))
+        except Empty:
+            said = last_words(self.log)
+            raise RunFailed(f"{self.role} did not answer in time; it last said: {said}") from None
+        if message is None:
+            code = self.popen.wait()
+            raise RunFailed(f"{self.role} ended (exit {code}): {last_words(self.log)}")
+        return message
+
+
+class Group:
+    """The processes behind some contenders: the first `talkers` take commands, the rest
+    (parameter servers, PS workers) only serve."""
+
+    def __init__(self, name: str, contenders: list[str], processes: list[Process], talkers: int):
+        self.name, self.contenders, self.processes = name, contenders, processes
+        self.talkers = processes[:talkers]
+        self.ready: list[dict] = []
+
+    def wait_ready(self, until: float) -> None:
+        self.ready = [p.receive(until) | {"process": p.role} for p in self.processes]
+
+    def run(self, contender: str, steps: int, until: float) -> float:
+        """Seconds the slowest talker took (MWMS workers run in lockstep anyway)."""
+        for p in self.talkers:
+            p.send({"cmd": "run", "contender": contender, "steps": steps})
+        return max(p.receive(until)["seconds"] for p in self.talkers)
+
+    def close(self) -> None:
+        for p in self.talkers:
+            with suppress(RunFailed):
+                p.send({"cmd": "quit"})
+        for p in self.processes:
+            end_session(p.popen)
+
+    @property
+    def leaders(self) -> list[int]:
+        return [p.popen.pid for p in self.processes]
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports free right now: bound to port 0 together, so the kernel gives distinct ones."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("localhost", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _tf(role: str, kind: str, logs: Path, cluster: dict | None = None, task=None) -> Process:
+    """A TensorFlow process; cluster and task become its TF_CONFIG."""
+    env = {**os.environ, **QUIET}
+    if cluster is not None:
+        env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": task})
+    label = kind if task is None or task["type"] == "chief" else f"{kind} {task['index']}"
+    intra, inter, _ = THREADS[kind]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ringtrain.bench.tf_strategies_worker",
+        role,
+        str(intra),
+        str(inter),
+    ]
+    return Process(label, cmd, env, logs)
+
+
+def _cluster(**jobs: int) -> dict[str, list[str]]:
+    ports = iter(free_ports(sum(jobs.values())))
+    return {job: [f"localhost:{next(ports)}" for _ in range(n)] for job, n in jobs.items()}
+
+
+def start_groups(logs: Path) -> list[Group]:
+    """Every contender's processes, started at once; each says when it is traced and ready."""
+    worker = "ringtrain.bench.strategies_worker"
+    ranks = Process("ringtrain ranks", mpirun_command(2, worker, "ranks"), mpi_env(1), logs)
+    alone = Process(
+        "all-cores process", mpirun_command(1, worker, "all-cores"), mpi_env(CORES), logs
+    )
+    mw = _cluster(worker=2)
+    mwms = [_tf("mwms", "mwms worker", logs, mw, {"type": "worker", "index": i}) for i in range(2)]
+    ps = _cluster(chief=1, worker=2, ps=1)
+    parameter_servers = [
+        _tf("ps-coordinator", "ps coordinator", logs, ps, {"type": "chief", "index": 0}),
+        *(_tf("server", "ps worker", logs, ps, {"type": "worker", "index": i}) for i in range(2)),
+        _tf("server", "ps server", logs, ps, {"type": "ps", "index": 0}),
+    ]
+    return [
+        Group("ringtrain", [SINGLE, DP, FIT, PIPELINE], [ranks], 1),
+        Group("all cores", [ALL_CORES], [alone], 1),
+        Group("mwms", [MWMS], mwms, 2),
+        Group("ps", [PS], parameter_servers, 1),
+        Group("mirrored", [MIRRORED], [_tf("mirrored", "mirrored", logs)], 1),
+    ]
+
+
+# ---- measuring ----------------------------------------------------------------------------
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """Start everything once, then alternate the contenders round by round."""
+    steps = 10 if args.quick else 200
+    started = time.monotonic()
+    limit, ready_by = started + deadline(args.quick), started + deadline(args.quick) / 2
+    rows: list[dict] = []
+    failures: dict[str, str] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        groups = start_groups(Path(tmp))
+        try:
+            live = [g for g in groups if _survives(g, failures, lambda g=g: g.wait_ready(ready_by))]
+            for round_index in range(args.rounds):
+                for group in list(live):
+                    for contender in group.contenders:
+                        row = {"round": round_index, "contender": contender, "steps": steps}
+                        others = [pid for g in live if g is not group for pid in g.leaders]
+                        before = session_cpu_seconds(others)
+
+                        def turn(g=group, c=contender, r=row) -> None:
+                            r["seconds"] = g.run(c, steps, limit)
+
+                        if not _survives(group, failures, turn, f"round {round_index}: "):
+                            live.remove(group)
+                            break
+                        row["samples_per_sec"] = BATCH * steps / row["seconds"]
+                        row["others_cpu_seconds"] = session_cpu_seconds(others) - before
+                        rows.append(row)
+        finally:
+            for group in groups:
+                group.close()
+    return summarise(rows, failures) | {
+        "rounds": args.rounds,
+        "steps_per_measurement": steps,
+        "workload": {
+            "model": "cnn (ringtrain.models)",
+            "input": list(SHAPE),
+            "samples": SAMPLES,
+            "global_batch": BATCH,
+            "optimizer": f"SGD(learning_rate={LR})",
+        },
+        "threads": {
+            kind: {"intra_op": intra, "inter_op": inter, "why": why}
+            for kind, (intra, inter, why) in THREADS.items()
+        },
+        "processes_per_contender": PROCESSES,
+        "notes": NOTES,
+        "ready": {g.name: g.ready for g in groups},
+    }
+
+
+def _survives(group: Group, failures: dict[str, str], action, when: str = "") -> bool:
+    """Run action; a TensorFlow group that fails is recorded and closed, ringtrain's is fatal."""
+    try:
+        action()
+        return True
+    except RunFailed as exc:
+        if group.name in RINGTRAIN_GROUPS:
+            raise
+        for contender in group.contenders:
+            failures[contender] = f"{when}{exc}"
+        group.close()
+        return False
+
+
+def summarise(rows: list[dict], failures: dict[str, str]) -> dict:
+    """Medians and ranges; efficiency and ringtrain-to-TF ratios matched round by round."""
+    summary = summarise_contenders(rows, "samples_per_sec", SINGLE, "speedup_vs_single")
+    pairs = {f"{DP} efficiency": (DP, SINGLE, 2.0), f"{FIT} efficiency": (FIT, SINGLE, 2.0)}
+    for e in summary:
+        if e["contender"] not in (DP, SINGLE, FIT):
+            pairs[f"{DP} / {e['contender']}"] = (DP, e["contender"], 1.0)
+    ratios = {}
+    for name, (top, bottom, scale) in pairs.items():
+        per_round = round_ratios(rows, "samples_per_sec", top, bottom, scale)
+        if per_round:
+            ratios[name] = {"per_round": per_round, **spread(per_round)}
+    targets = {}
+    for name, (ratio, threshold) in TARGETS.items():
+        value = ratios.get(ratio, {}).get("median")
+        missing = ratio.split(" / ")[-1]
+        targets[name] = {
+            "ratio": ratio,
+            "threshold": threshold,
+            "value": value,
+            "met": None if value is None else value >= threshold,
+        }
+        if value is None:
+            targets[name]["why_not_measured"] = failures.get(missing, "not measured")
+    return {
+        "raw": rows,
+        "summary": summary,
+        "ratios": ratios,
+        "targets": targets,
+        "failures": failures,
+    }
+
+
+def _verdict(target: dict) -> str:
+    if target["met"] is None:
+        return "not measured"
+    return f"{target['value']:.2f}, {'met' if target['met'] else 'NOT met'}"
+
+
+def describe(report: dict) -> list[str]:
+    lines = [
+        f"{e['contender']:>24}: {e['samples_per_sec_median']:8.1f} samples/s "
+        f"({e['samples_per_sec_min']:.0f}-{e['samples_per_sec_max']:.0f})"
+        for e in report["summary"]
+    ]
+    lines += [f"{name:>40}: {r['median']:.3f}" for name, r in report["ratios"].items()]
+    lines += [
+        f"target {name} (>= {t['threshold']}): {_verdict(t)}"
+        for name, t in report["targets"].items()
+    ]
+    lines += [f"failed: {name}: {why}" for name, why in report["failures"].items()]
+    return lines
+
+
+def draw(report: dict, path: str) -> None:
+    """Throughput per contender (median, min-max), and the ratios with their targets."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    summary = report["summary"]
+    names = [e["contender"] for e in summary]
+    medians = [e["samples_per_sec_median"] for e in summary]
+    spans = [
+        [m - e["samples_per_sec_min"] for m, e in zip(medians, summary, strict=True)],
+        [e["samples_per_sec_max"] - m for m, e in zip(medians, summary, strict=True)],
+    ]
+    colours = ["tab:orange" if n.startswith("TF") else "tab:blue" for n in names]
+    left.barh(names, medians, xerr=spans, color=colours, capsize=3)
+    left.invert_yaxis()
+    left.set(xlabel="samples/s (median, min-max)", title="throughput, CNN 32x32x3, batch 64")
+    ratio_names = list(report["ratios"])
+    right.barh(ratio_names, [report["ratios"][n]["median"] for n in ratio_names], color="tab:grey")
+    for y, name in enumerate(ratio_names):
+        values = report["ratios"][name]["per_round"]
+        right.plot(values, [y] * len(values), "k.", ms=4)
+    for ratio, threshold in TARGETS.values():
+        if ratio in ratio_names:
+            y = ratio_names.index(ratio)
+            right.plot([threshold] * 2, [y - 0.4, y + 0.4], "r-", lw=2)
+    right.axvline(1.0, color="grey", lw=0.8)
+    right.invert_yaxis()
+    right.set(xlabel="ratio (bars: median, dots: rounds, red: target)", title="ringtrain ratios")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

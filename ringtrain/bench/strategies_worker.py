@@ -1,0 +1,185 @@
+"""ringtrain's contenders in `ringtrain bench strategies`, one measurement per command.
+
+    mpirun -np 2 python -m ringtrain.bench.strategies_worker ranks
+        single (rank 0, 1 thread), data parallel (custom loop and fit), pipeline (1F1B, M=8)
+    mpirun -np 1 python -m ringtrain.bench.strategies_worker all-cores
+        one process with every core
+
+The ranks stay up for the whole benchmark, so start-up and tracing are paid once and the
+contenders can alternate with TensorFlow's strategies in other processes. Rank 0 reads a
+command from stdin (the parent's pipe, which mpirun forwards to rank 0), passes it on with a
+broadcast the other rank waits for asleep, and replies with the time of `steps` steps that
+follow one untimed step. Horovod runs only while a data-parallel contender is measured.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import replace
+
+import numpy as np
+
+from ringtrain import log, runtime
+from ringtrain.bench.common import horovod_running, idle_wait, read_command, reply
+from ringtrain.bench.strategies import (
+    ALL_CORES,
+    BATCH,
+    DP,
+    FIT,
+    LR,
+    PIPELINE,
+    SEED,
+    SINGLE,
+    workload,
+)
+from ringtrain.config import TrainConfig
+from ringtrain.data import Dataset, epoch_batches, shard
+from ringtrain.loop import Engine
+from ringtrain.models import ModelSpec
+
+Runner = Callable[[int], float]  # steps -> seconds they took
+
+
+def batch_stream(n_examples: int, count: int) -> np.ndarray:
+    """The first `count` global batches of the shared order, across epochs as needed."""
+    per_epoch = n_examples // BATCH
+    epochs = [epoch_batches(n_examples, BATCH, SEED, e) for e in range(-(-count // per_epoch))]
+    return np.concatenate(epochs)[:count]
+
+
+def engine_runner(engine: Engine, data: Dataset) -> Runner:
+    """Custom-loop engines (single, data, pipeline): what `ringtrain train` runs per step."""
+
+    def run(steps: int) -> float:
+        batches = batch_stream(len(data.x), steps + 1)
+        engine.step(batches[0])
+        start = time.perf_counter()
+        for batch in batches[1:]:
+            engine.step(batch)
+        return time.perf_counter() - start
+
+    return run
+
+
+def fit_runner(spec: ModelSpec, data: Dataset, cfg: TrainConfig, world: runtime.World) -> Runner:
+    """model.fit with ringtrain's Keras 3 pieces: the allreducing optimizer and the broadcast."""
+    import keras
+
+    from ringtrain.dataparallel.keras_fit import BroadcastInitialState, distributed_optimizer
+    from ringtrain.optim import make_optimizer
+
+    model = keras.Sequential([keras.Input(data.input_shape), *spec.build(range(len(spec)), SEED)])
+    model.compile(
+        optimizer=distributed_optimizer(make_optimizer(cfg), world.hvd),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    broadcast = BroadcastInitialState(world.hvd)
+
+    def run(steps: int) -> float:
+        batches = batch_stream(len(data.x), steps + 1)
+        local = np.concatenate([shard(b, world.rank, world.size) for b in batches])
+        ends: list[float] = []
+        timer = keras.callbacks.LambdaCallback(
+            on_train_batch_end=lambda batch, logs: ends.append(time.perf_counter())
+        )
+        model.fit(
+            data.x[local],
+            data.y[local],
+            batch_size=BATCH // world.size,
+            epochs=1,
+            shuffle=False,
+            verbose=0,
+            callbacks=[broadcast, timer],
+        )
+        return ends[-1] - ends[0]  # the steps after the first
+
+    return run
+
+
+def _runners(kind: str, world: runtime.World) -> dict[str, tuple[Runner | None, bool]]:
+    """name -> (runner, or None where this rank sits out; whether Horovod must run)."""
+    from mpi4py import MPI
+
+    from ringtrain.dataparallel.engine import DataParallelEngine
+    from ringtrain.pipeline.engine import PipelineEngine
+
+    data, spec = workload()
+    cfg = TrainConfig(
+        strategy="single",
+        model="cnn",
+        dataset="synthetic",
+        batch_size=BATCH,
+        optimizer="sgd",
+        lr=LR,
+        seed=SEED,
+        comm_timeout=300,
+    )
+    if kind == "all-cores":
+        everything = engine_runner(DataParallelEngine(spec, data, cfg, world), data)
+        return {ALL_CORES: (everything, False)}
+    # Horovod broadcasts by variable name and Keras numbers names per process, so every rank
+    # builds the broadcasting contenders first, in the same order, and rank 0's own single
+    # process after them.
+    with horovod_running(world.comm) as hvd:
+        ranks = replace(world, hvd=hvd)
+        data_cfg = replace(cfg, strategy="data")
+        custom = engine_runner(DataParallelEngine(spec, data, data_cfg, ranks), data)
+        fit = fit_runner(spec, data, data_cfg, ranks)
+        custom(1)  # trace while Horovod is up
+        fit(1)
+    single = None
+    if world.rank == 0:
+        alone = runtime.World(0, 1, 0, 1, MPI.COMM_SELF, None)
+        single = engine_runner(DataParallelEngine(spec, data, cfg, alone), data)
+    pipeline_cfg = replace(cfg, strategy="pipeline", schedule="1f1b", microbatches=8)
+    pipeline = engine_runner(PipelineEngine(spec, data, pipeline_cfg, world), data)
+    return {
+        SINGLE: (single, False),
+        DP: (custom, True),
+        FIT: (fit, True),
+        PIPELINE: (pipeline, False),
+    }
+
+
+def main(kind: str) -> None:
+    world = runtime.start(with_horovod=False)
+    import tensorflow as tf
+
+    runners = _runners(kind, world)
+    for run, horovod in runners.values():
+        if run is not None and not horovod:
+            run(1)  # trace outside any timing
+    names = list(runners)
+    if world.rank == 0:
+        threads = {
+            "intra_op": tf.config.threading.get_intra_op_parallelism_threads(),
+            "inter_op": tf.config.threading.get_inter_op_parallelism_threads(),
+        }
+        reply({"ready": True, "contenders": names, "ranks": world.size, "threads": threads})
+    command = np.zeros(2, np.int64)  # contender index (-1: quit), steps
+    while True:
+        if world.rank == 0:
+            message = read_command()
+            wanted = message["cmd"] == "run"
+            command[:] = (
+                (names.index(message["contender"]), message["steps"]) if wanted else (-1, 0)
+            )
+        idle_wait(world.comm.Ibcast(command, root=0))
+        if command[0] < 0:
+            return
+        name, steps = names[command[0]], int(command[1])
+        run, horovod = runners[name]
+        if run is None:
+            continue
+        log.any_rank(f"measuring {name}: {steps} steps")  # the last words, should it hang
+        with horovod_running(world.comm) if horovod else nullcontext():
+            seconds = run(steps)
+        if world.rank == 0:
+            reply({"contender": name, "steps": steps, "seconds": seconds})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

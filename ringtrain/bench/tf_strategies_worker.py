@@ -1,0 +1,153 @@
+"""TensorFlow's own distribution strategies in `ringtrain bench strategies`.
+
+Only TensorFlow's documented API is on the training path: a strategy, variables made in its
+scope, `distribute_datasets_from_function`, `strategy.run` in a `tf.function` (for parameter
+servers, `ClusterCoordinator.schedule`), and a Keras optimizer. From ringtrain come only the
+network's layers and the synthetic arrays, so every contender trains the same model on the
+same data, and the one-line protocol the parent drives all contenders with.
+
+    python -m ringtrain.bench.tf_strategies_worker ROLE INTRA_OP INTER_OP
+ROLE: mwms (one worker of MultiWorkerMirroredStrategy), mirrored (2 logical CPUs in this
+process), ps-coordinator, or server (a parameter server or worker: it only serves). TF_CONFIG,
+set by the parent, names the cluster and this task.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+
+import keras
+import tensorflow as tf
+
+from ringtrain.bench.common import read_command, reply
+from ringtrain.bench.strategies import BATCH, LR, workload
+
+
+def serve(intra: int, inter: int) -> None:
+    """A parameter server or PS worker: TensorFlow runs what the coordinator sends it, until
+    the parent says quit or goes away (its pipe closes), so no server outlives the bench."""
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    server = tf.distribute.Server(
+        resolver.cluster_spec(),
+        job_name=resolver.task_type,
+        task_index=resolver.task_id,
+        protocol="grpc",
+        config=tf.compat.v1.ConfigProto(
+            intra_op_parallelism_threads=intra, inter_op_parallelism_threads=inter
+        ),
+        start=True,
+    )
+    role = f"{resolver.task_type} {resolver.task_id}"
+    threads = {"intra_op": intra, "inter_op": inter}
+    reply({"ready": True, "role": role, "target": server.target, "threads": threads})
+    while read_command()["cmd"] != "quit":
+        pass
+
+
+def make_strategy(role: str) -> tf.distribute.Strategy:
+    """The strategy as its guide builds it; TF_CONFIG tells the multi-process ones the cluster."""
+    if role == "mwms":
+        ring = tf.distribute.experimental.CommunicationImplementation.RING
+        options = tf.distribute.experimental.CommunicationOptions(implementation=ring)
+        return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    if role == "mirrored":
+        return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    return tf.distribute.ParameterServerStrategy(resolver)
+
+
+def make_runner(role: str, strategy: tf.distribute.Strategy) -> Callable[[int], float]:
+    """steps -> seconds, after one untimed step (which also lines the workers up)."""
+    data, spec = workload()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input(data.input_shape), *[f() for f in spec.factories]])
+        optimizer = keras.optimizers.SGD(learning_rate=LR)
+
+    def dataset_fn(context):
+        options = tf.data.Options()
+        options.threading.private_threadpool_size = 1  # as few threads as the contenders get
+        options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+        dataset = tf.data.Dataset.from_tensor_slices((data.x, data.y))
+        dataset = dataset.shard(context.num_input_pipelines, context.input_pipeline_id)
+        batch = context.get_per_replica_batch_size(BATCH)
+        return dataset.batch(batch, drop_remainder=True).cache().repeat().with_options(options)
+
+    def step_fn(x, y):
+        with tf.GradientTape() as tape:
+            logits = model(x, training=True)
+            per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=BATCH)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        return loss
+
+    @tf.function
+    def train_step(iterator):
+        x, y = next(iterator)
+        losses = strategy.run(step_fn, args=(x, y))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, losses, axis=None)
+
+    if role == "ps-coordinator":
+        # Asynchronous: each scheduled step is one update from BATCH examples on one worker.
+        coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+        per_worker = coordinator.create_per_worker_dataset(
+            tf.function(lambda: strategy.distribute_datasets_from_function(dataset_fn))
+        )
+        iterator = iter(per_worker)
+
+        def run(steps: int) -> float:
+            coordinator.schedule(train_step, args=(iterator,))
+            coordinator.join()
+            start = time.perf_counter()
+            for _ in range(steps):
+                coordinator.schedule(train_step, args=(iterator,))
+            coordinator.join()
+            return time.perf_counter() - start
+
+        return run
+
+    iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
+
+    def run(steps: int) -> float:
+        float(train_step(iterator))
+        start = time.perf_counter()
+        for _ in range(steps):
+            loss = train_step(iterator)
+        float(loss)
+        return time.perf_counter() - start
+
+    return run
+
+
+def main(role: str, intra: int, inter: int) -> None:
+    tf.config.threading.set_intra_op_parallelism_threads(intra)
+    tf.config.threading.set_inter_op_parallelism_threads(inter)
+    if role == "server":
+        serve(intra, inter)
+        return
+    if role == "mirrored":
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        logical = [tf.config.LogicalDeviceConfiguration()] * 2
+        tf.config.set_logical_device_configuration(cpu, logical)
+    strategy = make_strategy(role)
+    run = make_runner(role, strategy)
+    run(1)  # trace outside any timing
+    threads = {"intra_op": intra, "inter_op": inter}
+    reply(
+        {"ready": True, "role": role, "replicas": strategy.num_replicas_in_sync, "threads": threads}
+    )
+    while (message := read_command())["cmd"] == "run":
+        print(f"measuring {role}: {message['steps']} steps", file=sys.stderr, flush=True)
+        reply(
+            {
+                "contender": message["contender"],
+                "steps": message["steps"],
+                "seconds": run(message["steps"]),
+            }
+        )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))

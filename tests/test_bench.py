@@ -1,0 +1,143 @@
+"""The benchmarks: the hand-written ring allreduce is right, and every `ringtrain bench` runs
+in quick mode and fills its JSON with numbers for every contender. No speed is asserted: the
+numbers depend on the machine and on whatever else runs on it."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import MPIRUN, ROOT, one_line_error, ringtrain, run
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_ring_allreduce_equals_mpi_allreduce(ranks):
+    done = run([*MPIRUN, str(ranks), sys.executable, str(ROOT / "tests" / "ring_check.py")], 120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["ranks"] == ranks
+    assert result["checked"] == 56  # 11 sizes, 3 dtypes, random floats too, one 2-D array
+    assert result["failures"] == []
+
+
+def quick_bench(name: str, tmp_path: Path) -> dict:
+    """Run `ringtrain bench NAME --quick`; check what every report holds; return the report."""
+    out, png = tmp_path / "sub" / f"{name}.json", tmp_path / "sub" / f"{name}.png"
+    done = ringtrain("bench", name, "--quick", "--out", str(out), "--png", str(png), timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    report = json.loads(out.read_text())
+    assert report["quick"] is True
+    facts = report["machine"]
+    assert facts["cpus"] >= 1
+    assert all(facts[k] for k in ("python", "tensorflow", "keras", "mpi4py", "horovod", "mpi"))
+    assert report["wall_seconds"] > 0
+    return report
+
+
+def rounds_per_contender(rows: list[dict]) -> dict[str, list[int]]:
+    seen: dict[str, list[int]] = {}
+    for r in rows:
+        seen.setdefault(r["contender"], []).append(r["round"])
+    return seen
+
+
+@pytest.mark.mpi
+def test_bench_pipeline_quick(tmp_path):
+    report = quick_bench("pipeline", tmp_path)
+    rows = report["raw"]["raw"]
+    expected = {"single"} | {f"{k} M={m}" for k in ("gpipe", "1f1b") for m in (1, 2, 4, 8, 16)}
+    assert set(rounds_per_contender(rows)) == expected
+    assert all(r == [0, 1, 2] for r in rounds_per_contender(rows).values())
+    assert all(r["samples_per_sec"] > 0 for r in rows)
+    for e in report["summary"]:
+        assert e["samples_per_sec_min"] <= e["samples_per_sec_median"] <= e["samples_per_sec_max"]
+        assert len(e["speedup_vs_single_per_round"]) == 3
+    assert all(isinstance(v, bool) for v in report["targets"].values())
+    assert report["threads"] == {"intra_op": 1, "inter_op": 1, "ranks": 2}
+
+
+STRATEGIES = [
+    "single",
+    "data custom",
+    "data fit",
+    "pipeline 1f1b M=8",
+    "single all cores",
+    "TF MultiWorkerMirrored",
+    "TF ParameterServer",
+    "TF Mirrored",
+]
+
+
+@pytest.mark.mpi
+def test_bench_strategies_quick(tmp_path):
+    report = quick_bench("strategies", tmp_path)
+    measured = rounds_per_contender(report["raw"])
+    failures = report["failures"]
+    # Every contender has three rounds of numbers; only the parameter servers may instead
+    # have a recorded reason (they may not run on every TensorFlow).
+    for name in STRATEGIES:
+        if name == "TF ParameterServer" and name in failures:
+            assert failures[name].strip()
+            continue
+        assert measured.get(name) == [0, 1, 2], (name, failures)
+    assert set(failures) <= {"TF ParameterServer"}
+    for r in report["raw"]:
+        assert r["samples_per_sec"] > 0 and r["steps"] == report["steps_per_measurement"]
+        assert r["others_cpu_seconds"] >= 0
+    ratios = report["ratios"]
+    assert len(ratios["data custom efficiency"]["per_round"]) == 3
+    assert "data custom / TF MultiWorkerMirrored" in ratios
+    assert "data custom / TF Mirrored" in ratios
+    for target in report["targets"].values():
+        assert target["met"] in (True, False, None)
+        assert target["met"] is not None or target["why_not_measured"]
+    for kind, threads in report["threads"].items():
+        assert threads["intra_op"] >= 1 and threads["inter_op"] >= 1, kind
+    ranks = report["threads"]["ringtrain rank"]
+    assert ranks["intra_op"] == ranks["inter_op"] == 1
+    assert set(report["processes_per_contender"]) == set(STRATEGIES)
+
+
+@pytest.mark.mpi
+def test_bench_allreduce_quick(tmp_path):
+    report = quick_bench("allreduce", tmp_path)
+    cpus = report["machine"]["cpus"]
+    assert [run["ranks"] for run in report["runs"]] == [2, 4]
+    for run_ in report["runs"]:
+        assert run_["oversubscribed"] == (run_["ranks"] > cpus)
+        cells = {}
+        for r in run_["rows"]:
+            assert r["seconds"] > 0 and r["iters"] >= 5
+            cells.setdefault((r["contender"], r["bytes"]), []).append(r["round"])
+        contenders = ("horovod", "mpi4py Allreduce", "ring", "memcpy")
+        assert set(cells) == {(c, n) for c in contenders for n in report["sizes"]}
+        assert all(rounds == [0, 1, 2] for rounds in cells.values())
+    for e in report["summary"]:
+        assert e["algbw_GBps_median"] > 0
+        if e["contender"] != "memcpy":
+            assert e["busbw_GBps_min"] <= e["busbw_GBps_median"] <= e["busbw_GBps_max"]
+            assert len(e["vs_allreduce_per_round"]) == 3
+    assert max(report["sizes"]) >= 4 * 2**20  # the targets' sizes are measured
+    assert all(isinstance(t["met"], bool) for t in report["targets"].values())
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["nosuch"], "invalid choice: 'nosuch'"),
+        ([], "required"),
+        (["allreduce", "--rounds", "2"], "at least 3 rounds"),
+        (["strategies", "--rounds", "many"], "expected a whole number"),
+        (["pipeline", "--png", "chart.jpg"], "name it *.png"),
+        (["allreduce", "--out", "/proc/no/such/out.json"], "cannot create folder"),
+        (["allreduce", "--quick", "--bogus"], "unrecognized arguments"),
+    ],
+)
+def test_bad_bench_input_exits_with_one_line(args, needle):
+    one_line_error(ringtrain("bench", *args, timeout=60), needle)
