@@ -66,7 +66,7 @@ def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
         raise UserError(f"unknown {name} {value!r}; choose one of {', '.join(allowed)}")
 
 
-def _writable_file(flag: str, path: str | None) -> None:
+def check_writable(flag: str, path: str | None) -> None:
     if path is None:
         return
     folder = os.path.dirname(os.path.abspath(path))
@@ -151,10 +151,10 @@ def validate(cfg: TrainConfig, world_size: int, n_elements: int | None = None) -
             f"batch {per_replica} per rank is not divisible by --accumulate {cfg.accumulate}"
         )
     _validate_checkpointing(cfg)
-    _writable_file("--metrics-out", cfg.metrics_out)
-    _writable_file("--weights-out", cfg.weights_out)
-    _writable_file("--trace", cfg.trace)
-    _writable_file("--gantt", cfg.gantt)
+    check_writable("--metrics-out", cfg.metrics_out)
+    check_writable("--weights-out", cfg.weights_out)
+    check_writable("--trace", cfg.trace)
+    check_writable("--gantt", cfg.gantt)
 
 
 def _validate_checkpointing(cfg: TrainConfig) -> None:
@@ -181,6 +181,6 @@ def _validate_checkpointing(cfg: TrainConfig) -> None:
         folder = os.path.abspath(cfg.checkpoint_dir)
         if os.path.exists(folder) and not os.path.isdir(folder):
             raise UserError(f"--checkpoint-dir {cfg.checkpoint_dir} is a file, not a folder")
-        _writable_file(
+        check_writable(
             "--checkpoint-dir", os.path.join(folder, "x") if os.path.isdir(folder) else folder
         )

@@ -82,7 +82,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _prepare_outputs(args: argparse.Namespace) -> None:
     """Bad output paths fail before minutes of measuring, not after."""
-    from ringtrain.config import _writable_file
+    from ringtrain.config import check_writable
 
     if Path(args.png).suffix.lower() != ".png":
         raise UserError(f"--png {args.png}: the chart is written as PNG, so name it *.png")
@@ -92,7 +92,7 @@ def _prepare_outputs(args: argparse.Namespace) -> None:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise UserError(f"{flag} {path}: cannot create folder {folder} ({exc})") from None
-        _writable_file(flag, path)
+        check_writable(flag, path)
 
 
 def run_bench_command(args: argparse.Namespace) -> int:

@@ -84,6 +84,9 @@ class PipelineEngine(Checkpointable):
             "RECV_GRAD": self._recv_grad,
         }
         self.trace, self.step_index, self.peak_inflight = Trace(), 0, 0
+        # Graphs, not eager ops: per-op Python overhead would dwarf a microbatch's compute.
+        self._compiled_output = tf.function(self._stage_output)
+        self._compiled_gradients = tf.function(self._stage_gradients)
 
     def _who(self, rank: int) -> str:
         """How errors name a peer: its stage, and its rank for finding the process."""
@@ -175,23 +178,33 @@ class PipelineEngine(Checkpointable):
         return float("nan")
 
     # ---- the actions ----------------------------------------------------------------------
+    def _stage_output(self, x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
+        """The activation sent downstream or, on the last stage, its share of the loss."""
+        out = forward(self.elements, x)
+        return loss_fn(y, out) / self.cfg.microbatches if self.last_stage else out
+
+    def _stage_gradients(self, x: tf.Tensor, y: tf.Tensor, upstream: tf.Tensor) -> list:
+        """Recomputes the forward under a tape (the inputs were kept, not the tape), then the
+        weight gradients and, except on stage 0, the input gradient to send upstream."""
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            out = self._stage_output(x, y)
+        sources = self.variables + ([] if self.first_stage else [x])
+        return tape.gradient(out, sources, output_gradients=None if self.last_stage else upstream)
+
     def _forward(self, mb: int) -> None:
         idx = self.microbatches[mb]
         x = tf.constant(self.data.x[idx]) if self.first_stage else self.received.pop(mb)
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            out = forward(self.elements, x)
-            if self.last_stage:
-                out = loss_fn(self.data.y[idx], out) / self.cfg.microbatches
-                self.loss += float(out)
-        self.inflight[mb] = (tape, x, out)
+        y = tf.constant(self.data.y[idx])  # labels come from the shared batch order, not a peer
+        out = self._compiled_output(x, y)
+        if self.last_stage:
+            self.loss += float(out)
+        self.inflight[mb] = (x, y, out)
         self.peak_inflight = max(self.peak_inflight, len(self.inflight))
 
     def _backward(self, mb: int) -> None:
-        tape, x, out = self.inflight.pop(mb)
-        sources = self.variables + ([] if self.first_stage else [x])
-        upstream = None if self.last_stage else tf.constant(self.grad_in)
-        grads = tape.gradient(out, sources, output_gradients=upstream)
+        x, y, _ = self.inflight.pop(mb)
+        grads = self._compiled_gradients(x, y, tf.constant(self.grad_in))
         self.grads = [a + g for a, g in zip(self.grads, grads[: len(self.variables)], strict=True)]
         if not self.first_stage:
             self.input_grads[mb] = grads[-1]
