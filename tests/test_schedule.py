@@ -152,7 +152,6 @@ def test_cli_rejects_non_positive_values_with_exit_code_2(flag, capsys):
 
 
 def test_cli_writes_a_gantt_png(tmp_path, capsys):
-    pytest.importorskip("matplotlib")
     path = tmp_path / "gantt.png"
     code, _, _ = run_cli(["--stages", "2", "--microbatches", "3", "--png", str(path)], capsys)
     assert code == 0
