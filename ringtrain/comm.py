@@ -20,14 +20,14 @@ class Link:
         self.comm, self.timeout, self.sync_sends, self.name = comm, timeout, sync_sends, name
         self.pending: list[tuple[object, np.ndarray, int, str]] = []
 
-    def send(self, buf: np.ndarray, dest: int, tag: int, what: str) -> None:
+    def send_buffer(self, buf: np.ndarray, dest: int, tag: int, what: str) -> None:
         """Isend by default (completed at flush); Issend, waited at once, with sync_sends."""
         if self.sync_sends:
             self.wait(self.comm.Issend(buf, dest, tag), dest, f"{what} to be received")
         else:
             self.pending.append((self.comm.Isend(buf, dest, tag), buf, dest, what))
 
-    def recv(self, buf: np.ndarray, source: int, tag: int, what: str) -> np.ndarray:
+    def recv_buffer(self, buf: np.ndarray, source: int, tag: int, what: str) -> np.ndarray:
         self.wait(self.comm.Irecv(buf, source, tag), source, what)
         return buf
 

@@ -40,7 +40,7 @@ def tune_environment(local_size: int) -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     if local_size >= (os.cpu_count() or 1):
         os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
-    os.environ.setdefault("HOROVOD_CYCLE_TIME", "1")
+    os.environ.setdefault("HOROVOD_CYCLE_TIME", "0.1")  # ms; 1 ms cost 3 ms per small allreduce
 
 
 def start(with_horovod: bool, process_sets: list[list[int]] | None = None) -> World:

@@ -42,9 +42,8 @@ class DataParallelEngine(Checkpointable):
                 part = loss_fn(y[i], forward(self.elements, x[i])) / slices
             grads = [g + d for g, d in zip(grads, tape.gradient(part, self.variables), strict=True)]
             loss += part
-        if self.hvd is not None:
-            grads = average_gradients(self.hvd, grads, fp16=self.cfg.fp16_allreduce)
-            loss = self.hvd.allreduce(loss, op=self.hvd.Average)
+        if self.hvd is not None:  # the loss rides in the same fused allreduce: one Horovod cycle
+            *grads, loss = average_gradients(self.hvd, [*grads, loss], self.cfg.fp16_allreduce)
         if self.cfg.clip_norm is not None:
             grads, _ = tf.clip_by_global_norm(grads, self.cfg.clip_norm)
         self.optimizer.apply_gradients(zip(grads, self.variables, strict=True))

@@ -169,11 +169,13 @@ class PipelineEngine(Checkpointable):
                 total += (
                     value[0]
                     if r == 0
-                    else self.world_link.recv(np.empty(1), r, _tag(LOSS), "the step's loss")[0]
+                    else self.world_link.recv_buffer(np.empty(1), r, _tag(LOSS), "the step's loss")[
+                        0
+                    ]
                 )
             return total / self.replicas
         if self.last_stage:
-            self.world_link.send(value, 0, _tag(LOSS), "the step's loss")
+            self.world_link.send_buffer(value, 0, _tag(LOSS), "the step's loss")
             self.world_link.flush()
         return float("nan")
 
@@ -211,19 +213,21 @@ class PipelineEngine(Checkpointable):
 
     def _send_act(self, mb: int) -> None:
         out = np.ascontiguousarray(self.inflight[mb][2].numpy())
-        self.link.send(out, self.stage + 1, _tag(ACT, mb), f"activation of microbatch {mb}")
+        self.link.send_buffer(out, self.stage + 1, _tag(ACT, mb), f"activation of microbatch {mb}")
 
     def _recv_act(self, mb: int) -> None:
         buf = self.act_in[mb % len(self.act_in)]
-        self.link.recv(buf, self.stage - 1, _tag(ACT, mb), f"activation of microbatch {mb}")
+        self.link.recv_buffer(buf, self.stage - 1, _tag(ACT, mb), f"activation of microbatch {mb}")
         self.received[mb] = tf.constant(buf)
 
     def _send_grad(self, mb: int) -> None:
         grad = np.ascontiguousarray(self.input_grads.pop(mb).numpy())
-        self.link.send(grad, self.stage - 1, _tag(GRAD, mb), f"gradient of microbatch {mb}")
+        self.link.send_buffer(grad, self.stage - 1, _tag(GRAD, mb), f"gradient of microbatch {mb}")
 
     def _recv_grad(self, mb: int) -> None:
-        self.link.recv(self.grad_in, self.stage + 1, _tag(GRAD, mb), f"gradient of microbatch {mb}")
+        self.link.recv_buffer(
+            self.grad_in, self.stage + 1, _tag(GRAD, mb), f"gradient of microbatch {mb}"
+        )
 
     # ---- evaluation, weights, metrics ---------------------------------------------------
     def evaluate(self) -> float:
@@ -236,12 +240,12 @@ class PipelineEngine(Checkpointable):
                 x = self.data.x_test[idx]
             else:
                 x = np.empty((len(idx), *self.act_in.shape[2:]), np.float32)
-                self.link.recv(x, self.stage - 1, _tag(EVAL), "evaluation activations")
+                self.link.recv_buffer(x, self.stage - 1, _tag(EVAL), "evaluation activations")
             out = forward(self.elements, tf.constant(x)).numpy()
             if self.last_stage:
                 correct += int(np.sum(np.argmax(out, axis=-1) == self.data.y_test[idx]))
             else:
-                self.link.send(
+                self.link.send_buffer(
                     np.ascontiguousarray(out), self.stage + 1, _tag(EVAL), "evaluation activations"
                 )
                 self.link.flush()
@@ -257,18 +261,18 @@ class PipelineEngine(Checkpointable):
             header = json.dumps([[k, list(a.shape)] for k, a in mine.items()]).encode()
             flat = np.concatenate([a.ravel() for a in mine.values()]).astype(np.float32)
             for buf in (np.array([len(header)], np.int64), np.frombuffer(header, np.uint8), flat):
-                self.world_link.send(np.ascontiguousarray(buf), 0, _tag(WEIGHTS), "weights")
+                self.world_link.send_buffer(np.ascontiguousarray(buf), 0, _tag(WEIGHTS), "weights")
                 self.world_link.flush()
             return None
         weights = dict(mine)
         for r in self.grid.pipeline_ranks(0)[1:]:
-            size = self.world_link.recv(np.empty(1, np.int64), r, _tag(WEIGHTS), "weights")
-            header = self.world_link.recv(
+            size = self.world_link.recv_buffer(np.empty(1, np.int64), r, _tag(WEIGHTS), "weights")
+            header = self.world_link.recv_buffer(
                 np.empty(int(size[0]), np.uint8), r, _tag(WEIGHTS), "weights"
             )
             names = json.loads(header.tobytes())
             flat = np.empty(sum(int(np.prod(s)) for _, s in names), np.float32)
-            self.world_link.recv(flat, r, _tag(WEIGHTS), "weights")
+            self.world_link.recv_buffer(flat, r, _tag(WEIGHTS), "weights")
             offset = 0
             for name, shape in names:
                 n = int(np.prod(shape))
