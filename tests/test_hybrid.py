@@ -28,8 +28,8 @@ def test_hybrid_2x2_equals_single_process_for_every_configuration(tmp_path):
 
 
 @pytest.mark.mpi
-def test_cli_hybrid_matches_single_and_overlaps_allreduce_with_backward(tmp_path, single_reference):
-    weights, metrics, trace = tmp_path / "w.npz", tmp_path / "m.json", tmp_path / "t.json"
+def test_cli_hybrid_matches_single_process(tmp_path, single_reference):
+    weights, metrics = tmp_path / "w.npz", tmp_path / "m.json"
     done = ringtrain(
         "train",
         "--strategy",
@@ -43,8 +43,6 @@ def test_cli_hybrid_matches_single_and_overlaps_allreduce_with_backward(tmp_path
         str(weights),
         "--metrics-out",
         str(metrics),
-        "--trace",
-        str(trace),
         ranks=4,
     )
     assert done.returncode == 0, done.stderr[-2000:]
@@ -53,14 +51,43 @@ def test_cli_hybrid_matches_single_and_overlaps_allreduce_with_backward(tmp_path
     report = json.loads(metrics.read_text())
     assert report["dp_size"] == 2 and report["pp_size"] == 2
     assert "bubble_measured" in report and "bubble_predicted" in report
-    events = json.loads(trace.read_text())["traceEvents"]
-    step = max(e["args"]["step"] for e in events)
-    mine = [e for e in events if e["pid"] == 0 and e["args"]["step"] == step]
-    last_stage_allreduce = min(e["ts"] for e in mine if e["tid"] == 1 and e["name"] == "ALLREDUCE")
-    stage0_last_backward_end = max(
-        e["ts"] + e["dur"] for e in mine if e["tid"] == 0 and e["name"].startswith("B")
+
+
+@pytest.mark.mpi
+def test_last_stage_allreduce_starts_while_stage_0_still_runs_its_last_backward(tmp_path):
+    """No barrier before the replica allreduce: the trace shows it overlapping stage 0's work.
+    Microbatches of 128 transformer examples make that backward last far longer than the
+    scheduling noise of 4 ranks on 2 cores; the claim is checked in most steps after the first."""
+    trace = tmp_path / "t.json"
+    done = ringtrain(
+        "train",
+        "--strategy",
+        "hybrid",
+        "--pp-size",
+        "2",
+        "--model",
+        "transformer",
+        "--batch-size",
+        "512",
+        "--microbatches",
+        "2",
+        "--steps",
+        "5",
+        "--trace",
+        str(trace),
+        ranks=4,
     )
-    assert last_stage_allreduce < stage0_last_backward_end
+    assert done.returncode == 0, done.stderr[-2000:]
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["pid"] == 0]
+    overlapping = 0
+    for step in range(1, 5):
+        mine = [e for e in events if e["args"]["step"] == step]
+        allreduce = min(e["ts"] for e in mine if e["tid"] == 1 and e["name"] == "ALLREDUCE")
+        backward_end = max(
+            e["ts"] + e["dur"] for e in mine if e["tid"] == 0 and e["name"].startswith("B")
+        )
+        overlapping += allreduce < backward_end
+    assert overlapping >= 3, overlapping
 
 
 @pytest.mark.parametrize(
