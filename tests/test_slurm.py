@@ -45,7 +45,7 @@ def slurm() -> Iterator[SlurmCluster]:
     path = f"/usr/sbin:/sbin:{ENV['PATH']}"
     missing = [name for name in DAEMONS if shutil.which(name, path=path) is None]
     if missing:
-        pytest.skip(f"no {', '.join(missing)}: scripts/setup.sh installs Slurm and munge")
+        pytest.fail(f"no {', '.join(missing)}: scripts/setup.sh installs Slurm and munge")
     cluster = SlurmCluster(ENV)
     try:
         cluster.start()
