@@ -38,12 +38,12 @@ def run(
     cfg: TrainConfig,
     world,
     replicas: int,
-    watchdog: Watchdog | None = None,
+    watchdog: Watchdog,
 ) -> dict:
     """Train for the configured steps; return the metrics every strategy reports.
 
     `metrics["finished"]` is False when a signal or --stop-after ended the run early. The
-    caller's watchdog (if any) keeps running after the loop, for the gathers that follow.
+    caller's watchdog keeps running after the loop, for the gathers that follow.
     """
     total, per_epoch = step_plan(len(data.x), cfg.batch_size, cfg.epochs, cfg.steps)
     n_epochs = -(-total // per_epoch)
@@ -52,8 +52,6 @@ def run(
     if first:
         log.info(f"resumed from {cfg.checkpoint_dir} at step {first}")
     stop, link = StopSignal(), Link(world.comm, cfg.comm_timeout)
-    own_watchdog = watchdog is None
-    watchdog = watchdog or Watchdog(cfg.comm_timeout, world.rank)
     step_seconds: list[float] = []
     accuracy, finished, started = float("nan"), True, time.perf_counter()
     for step in range(first, total):
@@ -102,6 +100,4 @@ def run(
         "config": cfg.as_dict(),
     }
     metrics.update(engine.extra_metrics())
-    if own_watchdog:
-        watchdog.stop()
     return metrics

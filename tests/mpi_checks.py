@@ -34,8 +34,23 @@ def single_process(cfg: TrainConfig, world: runtime.World) -> tuple[dict, list[f
         cfg, strategy="single", microbatches=1, accumulate=1, fp16_allreduce=False, pp_size=None
     )
     engine = DataParallelEngine(spec_of(ref), DATA, ref, alone)
-    metrics = loop.run(engine, DATA, ref, alone, 1)
+    metrics = watched(lambda dog: loop.run(engine, DATA, ref, alone, 1, dog), ref)
     return named_weights(engine.elements), metrics["losses"]
+
+
+def watched(run, cfg: TrainConfig):
+    """Run with a watchdog, as ringtrain.api.train does, and stop it afterwards."""
+    dog = Watchdog(cfg.comm_timeout, _world_rank())
+    try:
+        return run(dog)
+    finally:
+        dog.stop()
+
+
+def _world_rank() -> int:
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_rank()
 
 
 def _self():
@@ -49,11 +64,7 @@ def run_strategy(cfg: TrainConfig, world: runtime.World):
     if cfg.loop == "fit":
         from ringtrain.dataparallel.keras_fit import fit
 
-        watchdog = Watchdog(cfg.comm_timeout, world.rank)
-        try:
-            return fit(spec_of(cfg), DATA, cfg, world, watchdog)
-        finally:
-            watchdog.stop()
+        return watched(lambda dog: fit(spec_of(cfg), DATA, cfg, world, dog), cfg)
     if cfg.strategy == "data":
         engine = DataParallelEngine(spec_of(cfg), DATA, cfg, world)
         replicas = world.size
@@ -62,7 +73,7 @@ def run_strategy(cfg: TrainConfig, world: runtime.World):
 
         engine = PipelineEngine(spec_of(cfg), DATA, cfg, world)
         replicas = engine.grid.replicas
-    metrics = loop.run(engine, DATA, cfg, world, replicas)
+    metrics = watched(lambda dog: loop.run(engine, DATA, cfg, world, replicas, dog), cfg)
     return metrics, engine.gather_weights()
 
 
