@@ -4,7 +4,14 @@ The public names load lazily, so `ringtrain --help` and the pure schedule code n
 importing TensorFlow.
 """
 
+import os
 from importlib import import_module
+
+# TensorFlow writes start-up notices (CPU features, oneDNN, absl's "All log messages before
+# absl::InitializeLog()" line) to stderr as it loads, in every rank. Every ringtrain module
+# that loads TensorFlow is imported after this line, so ringtrain's processes start quiet.
+# A level you set yourself wins.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 _EXPORTS = {
     "TrainConfig": "ringtrain.config",

@@ -15,10 +15,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ringtrain import log, loop, runtime
-from ringtrain.config import TrainConfig, validate
-from ringtrain.data import Dataset
-from ringtrain.guard import Watchdog
+from ringtrain import heartbeat, log, loop, runtime
+from ringtrain.comm import step_traffic, transfer_time
+from ringtrain.config import TrainConfig, check_paths, validate_flags
+from ringtrain.data import Dataset, step_plan
+from ringtrain.errors import UserError, alike_on_every_rank
+from ringtrain.guard import Watchdog, finite_on_every_rank, non_finite
 from ringtrain.launch.env import who_am_i
 from ringtrain.models import ModelSpec
 from ringtrain.weights import save_npz
@@ -32,7 +34,8 @@ class TrainResult:
     weights: dict[str, np.ndarray] | None
 
 
-def _engine(spec: ModelSpec, data: Dataset, cfg: TrainConfig, world: runtime.World):
+def make_engine(spec: ModelSpec, data: Dataset, cfg: TrainConfig, world: runtime.World):
+    """The engine this strategy runs on, and its replica count (for LR scaling)."""
     if cfg.strategy in ("single", "data") or (cfg.strategy == "hybrid" and cfg.pp_size == 1):
         from ringtrain.dataparallel.engine import DataParallelEngine
 
@@ -45,13 +48,20 @@ def _engine(spec: ModelSpec, data: Dataset, cfg: TrainConfig, world: runtime.Wor
 
 def train(spec: ModelSpec, data: Dataset, cfg: TrainConfig) -> TrainResult:
     """Validate identically on every rank, start the runtime, train, write rank 0's outputs."""
-    validate(cfg, who_am_i().world_size, len(spec))
+    me = who_am_i()
+    with alike_on_every_rank(me.rank):  # the same verdict everywhere, so no rank waits
+        validate_flags(cfg, me.world_size, len(spec))
+        step_plan(len(data.x), cfg.batch_size, cfg.epochs, cfg.steps)
+        _check_fit(spec)
+    check_paths(cfg)
     world = runtime.start(
         with_horovod=cfg.strategy in ("data", "hybrid"),
         process_sets=_hybrid_process_sets(cfg),
     )
     # From here on every collective is covered: a rank that stops answering aborts the job.
     watchdog = Watchdog(cfg.comm_timeout, world.rank, "start-up")
+    if world.size > 1:  # names the silent peer and its host when a collective stalls
+        heartbeat.start(world.comm, cfg.comm_timeout)
     log.info(
         f"ringtrain: strategy {cfg.strategy}, {world.size} rank(s), model of {len(spec)} "
         f"elements, global batch {cfg.batch_size}"
@@ -61,10 +71,14 @@ def train(spec: ModelSpec, data: Dataset, cfg: TrainConfig) -> TrainResult:
 
         metrics, weights = fit(spec, data, cfg, world, watchdog)
     else:
-        engine, replicas = _engine(spec, data, cfg, world)
+        engine, replicas = make_engine(spec, data, cfg, world)
+        traffic = step_traffic(engine, cfg.microbatches)  # the deadline rule, for a whole step
+        watchdog.allow(transfer_time(traffic, cfg.min_link_rate))
         metrics = loop.run(engine, data, cfg, world, replicas, watchdog)
         watchdog.kick("gathering the weights")
         weights = engine.gather_weights()
+    if not finite_on_every_rank(world.comm, (weights or {}).values()):  # the last update's
+        raise non_finite("the weights became non-finite", metrics["steps"], world.rank, None)
     watchdog.stop()
     if not metrics.get("finished", True):
         return TrainResult(metrics, None)
@@ -79,6 +93,15 @@ def train(spec: ModelSpec, data: Dataset, cfg: TrainConfig) -> TrainResult:
             f"{metrics['test_accuracy']:.4f}, {metrics['samples_per_sec']:.0f} samples/s"
         )
     return TrainResult(metrics, weights)
+
+
+def _check_fit(spec: ModelSpec) -> None:
+    """Trace the shapes through the elements, so a model that cannot take the data's rows
+    (a cnn on flat features) is a bad input, not a crash inside a stage."""
+    try:
+        spec.shapes()
+    except ValueError as exc:
+        raise UserError(f"the model does not fit rows of shape {spec.input_shape}: {exc}") from None
 
 
 def _hybrid_process_sets(cfg: TrainConfig) -> list[list[int]] | None:

@@ -15,7 +15,9 @@ import zipfile
 
 import numpy as np
 
+from ringtrain.comm import Link
 from ringtrain.errors import UserError
+from ringtrain.guard import agree, finite_on_every_rank, non_finite
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -139,11 +141,13 @@ class RunCheckpoints:
     """Saving and resuming one run: who writes which part, and whether a checkpoint fits.
 
     The engine names the part this rank writes (or None) and the part it reads, and what its
-    layout is; replicas that hold the same weights read the same part.
+    layout is; replicas that hold the same weights read the same part. `newest` is the step of
+    the newest checkpoint this run wrote or resumed from (0: none).
     """
 
     def __init__(self, cfg, world, engine):
         self.cfg, self.world, self.engine = cfg, world, engine
+        self.newest = 0
         self.identity = {
             "model": cfg.model,
             "optimizer": cfg.optimizer,
@@ -154,13 +158,18 @@ class RunCheckpoints:
         }
 
     def save(self, step: int, epoch: int, losses: list[float]) -> None:
+        """Write the checkpoint of `step`, or raise on every rank if any part of the state is
+        NaN or infinite: the newest checkpoint then stays the last good one."""
         part = self.engine.checkpoint_part()
-        digest = (
-            write_part(self.cfg.checkpoint_dir, step, part, self.engine.state()) if part else ""
-        )
+        state = self.engine.state() if part else {}
+        if not finite_on_every_rank(self.world.comm, state.values()):
+            what = "the weights or the optimizer's state became non-finite"
+            raise non_finite(what, step, self.world.rank, self.newest)
+        digest = write_part(self.cfg.checkpoint_dir, step, part, state) if part else ""
         entry = np.frombuffer(f"{part or '':<32}{digest:<64}".encode(), np.uint8)
         gathered = np.empty(96 * self.world.size, np.uint8) if self.world.rank == 0 else None
         self.world.comm.Gather(np.ascontiguousarray(entry), gathered, root=0)
+        self.newest = step
         if self.world.rank != 0:
             return
         rows = [gathered[i : i + 96].tobytes().decode() for i in range(0, len(gathered), 96)]
@@ -178,7 +187,16 @@ class RunCheckpoints:
         prune(self.cfg.checkpoint_dir, self.cfg.keep)
 
     def restore(self) -> tuple[int, list[float]]:
-        """(first step to run, losses so far): (0, []) when the folder holds no checkpoint."""
+        """(first step to run, losses so far): (0, []) when the folder holds no checkpoint.
+
+        Every rank checks the checkpoint; a refusal is agreed on, so all ranks stop together.
+        """
+        wait = Link(self.world.comm, self.cfg.comm_timeout).wait
+        first, losses = agree(self.world.comm, wait, self._restore)
+        self.newest = first
+        return first, losses
+
+    def _restore(self) -> tuple[int, list[float]]:
         manifest = latest(self.cfg.checkpoint_dir)
         if manifest is None:
             return 0, []

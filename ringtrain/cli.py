@@ -7,26 +7,51 @@ import os
 import shutil
 import sys
 
-from ringtrain.errors import EXIT_CHECKPOINTED, EXIT_FAILURE, EXIT_USAGE, UserError, report
+from ringtrain.errors import (
+    EXIT_CHECKPOINTED,
+    EXIT_INTERRUPTED,
+    EXIT_PROBLEMS,
+    InternalError,
+    UserError,
+    alike_on_every_rank,
+    report,
+)
 
 PROG = "ringtrain"
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a bad flag costs one line on stderr instead of the usage block."""
+    """argparse, but a bad flag is a UserError, which main() turns into one line."""
 
     def error(self, message: str):
-        report(self.prog, message, _rank_or_none())
-        sys.exit(EXIT_USAGE)
+        raise _bad_argv(message, self.prog)
+
+
+def _bad_argv(message: str, prog: str) -> UserError:
+    """Every rank has the same argv and finds the same fault: rank 0 speaks for the job."""
+    problem = UserError(message).on_every_rank(_rank_or_none() or 0)
+    problem.prog = prog
+    return problem
+
+
+def _who_am_i():
+    from ringtrain.launch.env import who_am_i
+
+    try:
+        return who_am_i()
+    except ValueError as exc:  # launcher variables that contradict each other
+        raise UserError(str(exc)) from None
 
 
 def _rank_or_none() -> int | None:
-    from ringtrain.launch.env import who_am_i
+    try:
+        return _who_am_i().rank
+    except UserError:
+        return None
 
-    return who_am_i().rank
 
-
-def _positive_int(text: str) -> int:
+def _whole_number(text: str) -> int:
+    """Any integer: ranges are checked by config.validate, so every rank says the same line."""
     try:
         return int(text)
     except ValueError:
@@ -34,23 +59,31 @@ def _positive_int(text: str) -> int:
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
-    from ringtrain.config import LOOPS, MODELS, OPTIMIZERS, PARTITIONS, SCHEDULE_KINDS, STRATEGIES
+    from ringtrain.config import (
+        LOOPS,
+        MODELS,
+        OPTIMIZERS,
+        PARTITIONS,
+        PROGRESS,
+        SCHEDULE_KINDS,
+        STRATEGIES,
+    )
 
     # Choices are checked by config.validate, so every bad value gets the same one-line message.
     p.add_argument("--strategy", default="data", help=f"one of {', '.join(STRATEGIES)}")
     p.add_argument("--model", default="mlp", help=f"one of {', '.join(MODELS)}")
     p.add_argument("--dataset", default="digits", help="digits, synthetic or npz:PATH")
-    p.add_argument("--batch-size", type=_positive_int, default=64, help="the global batch")
+    p.add_argument("--batch-size", type=_whole_number, default=64, help="the global batch")
     length = p.add_mutually_exclusive_group()
-    length.add_argument("--epochs", type=_positive_int, help="default 15 when --steps is absent")
-    length.add_argument("--steps", type=_positive_int, help="optimizer updates to run")
+    length.add_argument("--epochs", type=_whole_number, help="default 15 when --steps is absent")
+    length.add_argument("--steps", type=_whole_number, help="optimizer updates to run")
     p.add_argument("--optimizer", default="adam", help=f"one of {', '.join(OPTIMIZERS)}")
     p.add_argument("--lr", type=float, default=0.003)
-    p.add_argument("--seed", type=_positive_int, default=0)
+    p.add_argument("--seed", type=_whole_number, default=0)
     p.add_argument("--loop", default="custom", help=f"one of {', '.join(LOOPS)}")
     p.add_argument(
         "--accumulate",
-        type=_positive_int,
+        type=_whole_number,
         default=1,
         help="split each rank's slice into K sequential parts (same update)",
     )
@@ -61,17 +94,23 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULE_KINDS)}")
     p.add_argument(
         "--microbatches",
-        type=_positive_int,
+        type=_whole_number,
         default=None,
         help="microbatches per replica batch (pipeline default 4)",
     )
     p.add_argument("--partition", default="uniform", help=f"one of {', '.join(PARTITIONS)}")
-    p.add_argument("--pp-size", type=_positive_int, help="stages per pipeline (hybrid)")
+    p.add_argument("--pp-size", type=_whole_number, help="stages per pipeline (hybrid)")
     p.add_argument(
         "--comm-timeout",
         type=float,
         default=120.0,
         help="seconds a stage may stay silent before the job is aborted",
+    )
+    p.add_argument(
+        "--min-link-rate",
+        type=float,
+        default=1.0,
+        help="MB/s: a wait for B bytes lasts up to --comm-timeout + B at this rate",
     )
     p.add_argument(
         "--sync-sends",
@@ -81,11 +120,11 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-dir", help="write checkpoints here (atomic, with a manifest)")
     p.add_argument(
         "--checkpoint-every",
-        type=_positive_int,
+        type=_whole_number,
         default=0,
         help="steps between checkpoints (default: only at a stop and at the end)",
     )
-    p.add_argument("--keep", type=_positive_int, default=3, help="complete checkpoints kept")
+    p.add_argument("--keep", type=_whole_number, default=3, help="complete checkpoints kept")
     p.add_argument(
         "--resume",
         action="store_true",
@@ -93,15 +132,26 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--stop-after",
-        type=_positive_int,
+        type=_whole_number,
         help="checkpoint and stop after step N (exit 75), --steps unchanged",
     )
-    p.add_argument("--synthetic-size", type=_positive_int, default=2048)
+    p.add_argument("--synthetic-size", type=_whole_number, default=2048)
     p.add_argument("--synthetic-shape", default="8,8,1", help="e.g. 32,32,3")
     p.add_argument("--metrics-out", help="rank 0 writes metrics JSON here")
     p.add_argument("--weights-out", help="rank 0 writes every trainable weight (.npz) here")
     p.add_argument("--trace", help="Chrome-trace JSON of the pipeline run")
     p.add_argument("--gantt", help="Gantt chart PNG of the measured pipeline run")
+    p.add_argument(
+        "--progress",
+        default="auto",
+        help=f"one of {', '.join(PROGRESS)}: per-epoch progress on rank 0 "
+        "(auto: a live bar on a terminal, lines under a launcher or into a file)",
+    )
+    p.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        help="rank 0 writes TensorBoard scalars here (view: tensorboard --logdir DIR)",
+    )
 
 
 def config_from_args(args: argparse.Namespace):
@@ -133,6 +183,7 @@ def config_from_args(args: argparse.Namespace):
         partition=args.partition,
         pp_size=args.pp_size,
         comm_timeout=args.comm_timeout,
+        min_link_rate=args.min_link_rate,
         sync_sends=args.sync_sends,
         metrics_out=args.metrics_out,
         weights_out=args.weights_out,
@@ -145,32 +196,55 @@ def config_from_args(args: argparse.Namespace):
         stop_after=args.stop_after,
         synthetic_size=args.synthetic_size,
         synthetic_shape=shape,
+        progress=args.progress,
+        tensorboard=args.tensorboard,
     )
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from ringtrain.config import validate
-    from ringtrain.launch.env import who_am_i
+    from ringtrain.config import validate_flags
 
-    cfg = config_from_args(args)
-    me = who_am_i()
-    validate(cfg, me.world_size)  # flags first: cheap, before TensorFlow loads
+    me = _who_am_i()
+    with alike_on_every_rank(me.rank):  # flags first: cheap, before TensorFlow loads
+        cfg = config_from_args(args)
+        validate_flags(cfg, me.world_size)
     if me.source == "single" and shutil.which("mpirun") is None:
         # Without a launcher Open MPI starts a singleton, which still needs its runtime.
         raise UserError(
             "MPI not found: mpirun is not on PATH; install openmpi-bin or load your "
             "site's MPI module"
         )
-    from ringtrain.api import train
-    from ringtrain.data import load_dataset
+    data = _agreed(lambda: _outputs_and_data(cfg), me, cfg.comm_timeout)
+    from ringtrain.api import train  # TensorFlow loads here, once the inputs are known good
     from ringtrain.models import BUILTIN
 
-    data = load_dataset(cfg.dataset, cfg.seed, cfg.synthetic_size, cfg.synthetic_shape)
     result = train(BUILTIN[cfg.model](data.input_shape, data.n_classes), data, cfg)
     if result.metrics.get("finished", True):
         return 0
     # Not finished: 75 means "checkpointed, resume me"; without a checkpoint it is a failure.
-    return EXIT_CHECKPOINTED if cfg.checkpoint_dir else EXIT_FAILURE
+    return EXIT_CHECKPOINTED if cfg.checkpoint_dir else EXIT_PROBLEMS
+
+
+def _outputs_and_data(cfg):
+    """The output paths, then the dataset: what only each node's files can tell."""
+    from ringtrain.config import check_paths
+    from ringtrain.data import load_dataset
+
+    check_paths(cfg)
+    return load_dataset(cfg.dataset, cfg.seed, cfg.synthetic_size, cfg.synthetic_shape)
+
+
+def _agreed(attempt, me, timeout: float):
+    """What only files can tell (an output folder, a dataset missing or bad on some node) is
+    agreed on by every rank before training, so the job stops whole and says it once."""
+    if me.world_size == 1:
+        return attempt()
+    from ringtrain import runtime
+    from ringtrain.comm import Link
+    from ringtrain.guard import agree
+
+    comm = runtime.start_mpi(me.local_size)
+    return agree(comm, Link(comm, timeout).wait, attempt)
 
 
 def run_doctor(args: argparse.Namespace) -> int:
@@ -181,6 +255,8 @@ def run_doctor(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from ringtrain.bench import common as bench
+    from ringtrain.cluster import cli as cluster_cli
+    from ringtrain.doctor import add_doctor_arguments
     from ringtrain.launch import launch_cli
     from ringtrain.pipeline import schedule_cli
 
@@ -195,14 +271,14 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         (
             "schedule",
-            "print, check or draw a pipeline schedule (GPipe, 1F1B)",
+            "print, check or draw a pipeline schedule (GPipe, 1F1B, interleaved, ZB-H1, a file)",
             schedule_cli.add_schedule_arguments,
             schedule_cli.run_schedule_command,
         ),
         (
             "doctor",
-            "check the MPI/Horovod/TensorFlow stack and a 2-rank allreduce",
-            lambda p: None,
+            "check the MPI/Horovod/TensorFlow stack and a 2-rank allreduce (--hosts: across hosts)",
+            add_doctor_arguments,
             run_doctor,
         ),
         (
@@ -223,22 +299,59 @@ def build_parser() -> argparse.ArgumentParser:
             bench.add_bench_arguments,
             bench.run_bench_command,
         ),
+        (
+            "cluster",
+            "a rehearsal cluster of namespaces on this machine (root): up, status, down, exec",
+            cluster_cli.add_cluster_arguments,
+            cluster_cli.run_cluster_command,
+        ),
     ]
     for name, purpose, add_arguments, run in commands:
         p = sub.add_parser(name, help=purpose, description=purpose, prog=f"{PROG} {name}")
         add_arguments(p)
-        p.set_defaults(run=run)
+        p.set_defaults(run=run, prog=p.prog)  # a nested subcommand sets its own prog
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    args = build_parser().parse_args(argv)
+    """The one place where errors become a line on stderr and an exit code (README table)."""
+    prog = PROG
     try:
+        args, extra = build_parser().parse_known_args(argv)
+        prog = getattr(args, "prog", PROG)
+        if extra:  # said by the subcommand, not by the top-level parser
+            raise _bad_argv(f"unrecognized arguments: {' '.join(extra)}", prog)
         return args.run(args)
     except UserError as exc:
-        report(f"{PROG} {args.command}", str(exc), _rank_or_none())
-        return EXIT_USAGE
+        problem = exc
+    except KeyboardInterrupt:
+        problem = UserError("interrupted")
+        problem.exit_code = EXIT_INTERRUPTED
+    except Exception as exc:
+        if os.environ.get("RINGTRAIN_TRACEBACK"):
+            raise
+        problem = InternalError.from_exception(exc)
+    return _fail(problem.prog or prog, problem)
+
+
+def _fail(prog: str, problem: UserError) -> int:
+    """Say the problem unless another rank does; a problem this rank may be alone with ends
+    the whole job once MPI runs, so no other rank waits for this one."""
+    me = _rank_or_none()
+    if not problem.said_elsewhere:
+        report(prog, str(problem), me)
+    if not problem.together and _mpi_job_running():
+        from ringtrain.guard import end_job
+
+        end_job(problem.exit_code)
+    return problem.exit_code
+
+
+def _mpi_job_running() -> bool:
+    mpi = sys.modules.get("mpi4py.MPI")
+    return bool(
+        mpi and mpi.Is_initialized() and not mpi.Is_finalized() and mpi.COMM_WORLD.Get_size() > 1
+    )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,11 @@
 """Point-to-point messages with deadlines, on contiguous numpy buffers (no pickle).
 
 MPI receives have no timeout, so every wait polls a non-blocking request against a deadline;
-a peer that stays silent past it aborts the whole job with a line naming that peer.
+a peer that stays silent past it aborts the whole job with a line naming that peer and its host.
+
+The deadline rule: a wait for a message of B bytes may last `--comm-timeout` plus B at
+`--min-link-rate` MB/s. A slow link that still moves data at the minimum rate never trips it;
+a silent peer trips it `--comm-timeout` after the transfer should have ended.
 """
 
 from __future__ import annotations
@@ -10,49 +14,102 @@ import time
 
 import numpy as np
 
+from ringtrain.errors import EXIT_SILENT_PEER
 from ringtrain.guard import abort_job
+
+DEFAULT_MIN_LINK_RATE = 1.0  # MB/s: below any real cluster link, above a dead one
+
+
+def transfer_time(nbytes: int, min_rate: float = DEFAULT_MIN_LINK_RATE) -> float:
+    """Seconds `nbytes` may take at the minimum rate: what a deadline adds to --comm-timeout."""
+    return nbytes / (min_rate * 1e6)
+
+
+def waited(timeout: float, extra: float) -> str:
+    """How an error line states a deadline: `20 s`, or `20 s (+1.5 s for the bytes)`."""
+    return f"{timeout:g} s" + (f" (+{extra:.1f} s for the bytes)" if extra >= 0.05 else "")
+
+
+def step_traffic(engine, microbatches: int) -> int:
+    """Bytes one step may move through a rank: its gradients twice (a ring allreduce sends and
+    receives about that much), plus, on a pipeline stage, each microbatch's activation and
+    gradient buffers."""
+    weights = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in engine.variables)
+    inputs, grads = getattr(engine, "act_in", None), getattr(engine, "grad_in", None)
+    per_microbatch = inputs[0].nbytes + grads.nbytes if inputs is not None else 0
+    return 2 * weights + microbatches * per_microbatch
+
+
+def host_of(comm, peer: int) -> str | None:
+    """The host of `peer` (a rank of `comm`), from the table the heartbeat gathered at start."""
+    from ringtrain import heartbeat
+
+    if heartbeat.current is None:
+        return None
+    from mpi4py import MPI
+
+    world_rank = comm.Get_group().Translate_ranks([peer], MPI.COMM_WORLD.Get_group())[0]
+    return heartbeat.current.hosts[world_rank]
 
 
 class Link:
     """Sends and receives for one rank on one communicator; `name(peer)` says who a peer is."""
 
-    def __init__(self, comm, timeout: float, sync_sends: bool = False, name=lambda r: f"rank {r}"):
+    def __init__(
+        self,
+        comm,
+        timeout: float,
+        sync_sends: bool = False,
+        name=lambda r: f"rank {r}",
+        min_rate: float = DEFAULT_MIN_LINK_RATE,
+    ):
         self.comm, self.timeout, self.sync_sends, self.name = comm, timeout, sync_sends, name
+        self.min_rate = min_rate
         self.pending: list[tuple[object, np.ndarray, int, str]] = []
 
     def send_buffer(self, buf: np.ndarray, dest: int, tag: int, what: str) -> None:
         """Isend by default (completed at flush); Issend, waited at once, with sync_sends."""
         if self.sync_sends:
-            self.wait(self.comm.Issend(buf, dest, tag), dest, f"{what} to be received")
+            self.wait(self.comm.Issend(buf, dest, tag), dest, f"{what} to be received", buf.nbytes)
         else:
             self.pending.append((self.comm.Isend(buf, dest, tag), buf, dest, what))
 
     def recv_buffer(self, buf: np.ndarray, source: int, tag: int, what: str) -> np.ndarray:
-        self.wait(self.comm.Irecv(buf, source, tag), source, what)
+        self.wait(self.comm.Irecv(buf, source, tag), source, what, buf.nbytes)
         return buf
 
     def flush(self) -> None:
         """Complete every outstanding send; their buffers may be reused afterwards."""
-        for request, _buf, dest, what in self.pending:
-            self.wait(request, dest, f"{what} to be received")
+        for request, buf, dest, what in self.pending:
+            self.wait(request, dest, f"{what} to be received", buf.nbytes)
         self.pending.clear()
 
-    def wait(self, request, peer: int | None, what: str) -> None:
+    def wait(self, request, peer: int | None, what: str, nbytes: int = 0) -> None:
         """Poll until done; past the deadline abort the job, naming the peer (if one is known)."""
-        who = self.name(peer) if peer is not None else "a rank"
-        deadline = time.monotonic() + self.timeout
+        extra = transfer_time(nbytes, self.min_rate)
+        deadline = time.monotonic() + self.timeout + extra
         pause = 0.0
         while not request.Test():
             if time.monotonic() > deadline:
-                self.abort(
-                    f"{who} went silent: no progress for {self.timeout:g} s "
-                    f"while waiting for {what}"
-                )
+                self.abort(self._silence(peer, what, waited(self.timeout, extra)))
             if pause:
                 time.sleep(pause)
             pause = min(0.001, pause * 2 or 0.00002)  # back off so a waiting rank frees its core
 
+    def _silence(self, peer: int | None, what: str, allowed: str) -> str:
+        if peer is None:  # a collective: the heartbeat may know who is missing
+            from ringtrain.heartbeat import blame
+
+            named = blame(allowed, what)
+            return named or f"a rank went silent: no progress for {allowed} during {what}"
+        host = host_of(self.comm, peer)
+        where = f"; it runs on {host}" if host else ""
+        return (
+            f"{self.name(peer)} went silent: no progress for {allowed} "
+            f"while waiting for {what}{where}"
+        )
+
     def abort(self, message: str) -> None:
         from mpi4py import MPI
 
-        abort_job(message, MPI.COMM_WORLD.Get_rank(), 3)
+        abort_job(message, MPI.COMM_WORLD.Get_rank(), EXIT_SILENT_PEER)

@@ -6,6 +6,7 @@ same verdict before the first collective and no rank is left waiting for another
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -18,6 +19,8 @@ OPTIMIZERS = ("sgd", "adam")
 LOOPS = ("custom", "fit")
 SCHEDULE_KINDS = ("gpipe", "1f1b")
 PARTITIONS = ("uniform", "params", "time")
+PROGRESS = ("auto", "bar", "lines", "none")
+MAX_SEED = 2**32 - 1  # what every seeded generator on the way accepts
 
 
 @dataclass
@@ -44,6 +47,7 @@ class TrainConfig:
     partition: str = "uniform"
     pp_size: int | None = None
     comm_timeout: float = 120.0
+    min_link_rate: float = 1.0  # MB/s a transfer may not fall below (comm.allowance)
     sync_sends: bool = False
     metrics_out: str | None = None
     weights_out: str | None = None
@@ -56,6 +60,8 @@ class TrainConfig:
     keep: int = 3
     resume: bool = False
     stop_after: int | None = None
+    progress: str = "auto"  # auto: a live bar on a terminal, lines under a launcher
+    tensorboard: str | None = None  # rank 0 writes TensorBoard scalars into this folder
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -69,6 +75,8 @@ def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
 def check_writable(flag: str, path: str | None) -> None:
     if path is None:
         return
+    if os.path.isdir(path):
+        raise UserError(f"{flag} {path} is a folder; name a file in it")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise UserError(f"{flag} {path}: folder {folder} does not exist")
@@ -77,6 +85,26 @@ def check_writable(flag: str, path: str | None) -> None:
             pass
     except OSError:
         raise UserError(f"{flag} {path}: folder {folder} is not writable") from None
+
+
+def check_folder(flag: str, path: str | None) -> None:
+    """A folder that exists and takes new files, or that can be made in an existing,
+    writable parent."""
+    if path is None:
+        return
+    folder = os.path.abspath(path)
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise UserError(f"{flag} {path} is a file, not a folder")
+    check_writable(flag, os.path.join(folder, "x") if os.path.isdir(folder) else folder)
+
+
+def check_png(flag: str, path: str | None) -> None:
+    """Charts are PNG files; say so before any work rather than fail when saving."""
+    if path is None:
+        return
+    if os.path.splitext(path)[1].lower() != ".png":
+        raise UserError(f"{flag} {path}: the chart is written as PNG, so name it *.png")
+    check_writable(flag, path)
 
 
 def pipeline_stages(cfg: TrainConfig, world_size: int) -> int:
@@ -89,13 +117,21 @@ def pipeline_stages(cfg: TrainConfig, world_size: int) -> int:
 
 
 def validate(cfg: TrainConfig, world_size: int, n_elements: int | None = None) -> None:
-    """Raise UserError for the first problem; the same flags give the same answer on every rank."""
+    """Raise UserError for the first problem in the flags or the output paths."""
+    validate_flags(cfg, world_size, n_elements)
+    check_paths(cfg)
+
+
+def validate_flags(cfg: TrainConfig, world_size: int, n_elements: int | None = None) -> None:
+    """Pure: the same flags give the same answer on every rank, before any collective."""
     _choice("strategy", cfg.strategy, STRATEGIES)
     _choice("model", cfg.model, MODELS)
     _choice("optimizer", cfg.optimizer, OPTIMIZERS)
     _choice("loop", cfg.loop, LOOPS)
     _choice("schedule", cfg.schedule, SCHEDULE_KINDS)
     _choice("partition", cfg.partition, PARTITIONS)
+    _choice("progress", cfg.progress, PROGRESS)
+    _check_numbers(cfg)
     if cfg.epochs is not None and cfg.steps is not None:
         raise UserError("give either --epochs or --steps, not both")
     if cfg.steps is not None and cfg.steps < 1:
@@ -116,6 +152,8 @@ def validate(cfg: TrainConfig, world_size: int, n_elements: int | None = None) -
         raise UserError(f"--clip-norm must be positive, got {cfg.clip_norm}")
     if not cfg.comm_timeout > 0:
         raise UserError(f"--comm-timeout must be positive, got {cfg.comm_timeout}")
+    if not cfg.min_link_rate > 0:
+        raise UserError(f"--min-link-rate must be positive, got {cfg.min_link_rate}")
     if cfg.loop == "fit" and cfg.strategy not in ("single", "data"):
         raise UserError(f"--loop fit drives data parallelism only, not --strategy {cfg.strategy}")
     if cfg.loop == "fit" and cfg.accumulate > 1:
@@ -151,10 +189,40 @@ def validate(cfg: TrainConfig, world_size: int, n_elements: int | None = None) -
             f"batch {per_replica} per rank is not divisible by --accumulate {cfg.accumulate}"
         )
     _validate_checkpointing(cfg)
+    if cfg.tensorboard and cfg.loop == "fit":
+        raise UserError("--tensorboard needs --loop custom (model.fit keeps its own loop)")
+
+
+def check_paths(cfg: TrainConfig) -> None:
+    """The output files and folders can be written. Unlike the flags, this asks each node's
+    filesystem, so the CLI has the ranks agree on the answer."""
+    check_folder("--checkpoint-dir", cfg.checkpoint_dir)
     check_writable("--metrics-out", cfg.metrics_out)
     check_writable("--weights-out", cfg.weights_out)
     check_writable("--trace", cfg.trace)
-    check_writable("--gantt", cfg.gantt)
+    check_png("--gantt", cfg.gantt)
+    check_folder("--tensorboard", cfg.tensorboard)
+
+
+def _check_numbers(cfg: TrainConfig) -> None:
+    """Every float flag is finite (an infinite --lr trains to NaN), the seed fits 32 bits."""
+    floats = {
+        "--lr": cfg.lr,
+        "--warmup-epochs": cfg.warmup_epochs,
+        "--clip-norm": cfg.clip_norm,
+        "--comm-timeout": cfg.comm_timeout,
+        "--min-link-rate": cfg.min_link_rate,
+    }
+    for flag, value in floats.items():
+        if value is not None and not math.isfinite(value):
+            raise UserError(f"{flag} must be a finite number, got {value}")
+    if not 0 <= cfg.seed <= MAX_SEED:
+        raise UserError(f"--seed must be a whole number from 0 to {MAX_SEED}, got {cfg.seed}")
+    if cfg.synthetic_size < 1:
+        raise UserError(f"--synthetic-size must be at least 1, got {cfg.synthetic_size}")
+    if not cfg.synthetic_shape or min(cfg.synthetic_shape) < 1:
+        shape = ",".join(str(d) for d in cfg.synthetic_shape)
+        raise UserError(f"--synthetic-shape {shape} needs dimensions of at least 1")
 
 
 def _validate_checkpointing(cfg: TrainConfig) -> None:
@@ -177,10 +245,3 @@ def _validate_checkpointing(cfg: TrainConfig) -> None:
         raise UserError(f"{needs_dir[0]} needs --checkpoint-dir DIR")
     if cfg.checkpoint_dir and cfg.loop == "fit":
         raise UserError("--checkpoint-dir needs --loop custom (model.fit keeps its own loop)")
-    if cfg.checkpoint_dir:
-        folder = os.path.abspath(cfg.checkpoint_dir)
-        if os.path.exists(folder) and not os.path.isdir(folder):
-            raise UserError(f"--checkpoint-dir {cfg.checkpoint_dir} is a file, not a folder")
-        check_writable(
-            "--checkpoint-dir", os.path.join(folder, "x") if os.path.isdir(folder) else folder
-        )

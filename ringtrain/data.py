@@ -69,19 +69,44 @@ def load_npz(path: str) -> Dataset:
     missing = [k for k in ("x", "y") if k not in found]
     if missing:
         raise UserError(f"dataset file {path} lacks array(s) {', '.join(missing)}")
-    x, y = found["x"].astype(np.float32), found["y"]
-    if len(x) != len(y) or y.ndim != 1:
-        raise UserError(f"dataset file {path}: y must be 1-D with one label per row of x")
-    if not np.issubdtype(y.dtype, np.integer) or (len(y) and y.min() < 0):
-        raise UserError(f"dataset file {path}: y must hold non-negative integer class labels")
-    if "x_test" in found and "y_test" in found:
-        return Dataset(
-            x,
-            y.astype(np.int32),
-            found["x_test"].astype(np.float32),
-            found["y_test"].astype(np.int32),
+    x, y = _examples(path, found, "x", "y")
+    if "x_test" not in found and "y_test" not in found:
+        return _holdout(x, y, 0.2, seed=1234)
+    x_test, y_test = _examples(path, found, "x_test", "y_test")
+    if x_test.shape[1:] != x.shape[1:]:
+        raise UserError(
+            f"dataset file {path}: x_test rows have shape {x_test.shape[1:]}, x rows {x.shape[1:]}"
         )
-    return _holdout(x, y.astype(np.int32), 0.2, seed=1234)
+    return Dataset(x, y, x_test, y_test)
+
+
+def _examples(path: str, found: dict, xs: str, ys: str) -> tuple[np.ndarray, np.ndarray]:
+    """Features as float32 and labels as int32, checked: NaN or infinite features would train
+    to nonsense without a word, so they are refused here."""
+    if xs not in found or ys not in found:
+        raise UserError(f"dataset file {path} has {xs if xs in found else ys} without its pair")
+    x, y = found[xs], found[ys]
+    if x.ndim < 2 or len(x) == 0:
+        raise UserError(f"dataset file {path}: {xs} must hold rows of features, got {x.shape}")
+    if y.ndim != 1 or len(x) != len(y):
+        raise UserError(
+            f"dataset file {path}: {ys} must be 1-D with one label per row of {xs} "
+            f"(got {xs} {x.shape}, {ys} {y.shape})"
+        )
+    if not np.issubdtype(y.dtype, np.integer) or y.min() < 0:
+        raise UserError(f"dataset file {path}: {ys} must hold non-negative integer class labels")
+    if x.dtype.kind not in "biuf":
+        raise UserError(f"dataset file {path}: {xs} holds {x.dtype}, not real numbers")
+    with np.errstate(over="ignore"):  # values beyond float32 become infinite, refused below
+        x = x.astype(np.float32)
+    bad = ~np.isfinite(x)
+    if bad.any():
+        row = int(np.argwhere(bad)[0][0])
+        raise UserError(
+            f"dataset file {path}: {xs} holds {int(bad.sum())} non-finite value(s) (NaN or "
+            f"beyond float32), the first in row {row}"
+        )
+    return x, y.astype(np.int32)
 
 
 def load_dataset(

@@ -1,19 +1,90 @@
-"""One kind of error for everything the user got wrong, so the CLI can print one line and exit."""
+"""ringtrain's exit codes and its one family of errors, so the CLI can say one line and exit.
+
+Every subcommand raises a `UserError` (or a subclass carrying its own exit code); `cli.main` is
+the one place that turns it into a single `ringtrain <command>: error: ...` line and a code.
+"""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-EXIT_USAGE = 2  # bad flags, files or rank counts
-EXIT_FAILURE = 1  # a run that started and then failed
+EXIT_PROBLEMS = 1  # a check ran and found problems; a run failed in a way not listed below
+EXIT_USAGE = 2  # bad flags, files, checkpoints or rank counts
+EXIT_SILENT_PEER = 3  # a peer went silent past its deadline, named with its host (MPI_Abort)
+EXIT_WATCHDOG = 4  # no step finished within --comm-timeout (MPI_Abort)
+EXIT_NON_FINITE = 5  # the loss or the weights became NaN or infinite
+EXIT_INTERNAL = 70  # a bug: an exception ringtrain did not expect (EX_SOFTWARE)
 EXIT_CHECKPOINTED = 75  # stopped on a signal after writing a checkpoint; not finished (EX_TEMPFAIL)
+EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
 
 
 class UserError(Exception):
-    """A problem the user can fix; its message is the whole story, so no traceback is shown."""
+    """The family of every error ringtrain reports: its message is the whole story, so no
+    traceback is shown; subclasses carry their own exit code.
+
+    `together` says that every rank stops at this same point (flags validated alike, or a
+    verdict the ranks agreed on), so none is left waiting; an error without it may be this
+    rank's alone, so once MPI runs the CLI ends the whole job. `said_elsewhere` marks a rank
+    that stays quiet because another rank reports the problem. `prog` names the subcommand
+    when the error is raised before the command line is parsed.
+    """
+
+    exit_code = EXIT_USAGE
+    together = False
+    said_elsewhere = False
+    prog: str | None = None
+
+    def on_every_rank(self, rank: int) -> UserError:
+        """Mark an error that every rank raised alike: rank 0 speaks for the job."""
+        self.together, self.said_elsewhere = True, rank != 0
+        return self
+
+
+@contextmanager
+def alike_on_every_rank(rank: int) -> Iterator[None]:
+    """For pure checks (flags, rank counts) that every rank runs with the same inputs."""
+    try:
+        yield
+    except UserError as exc:
+        exc.on_every_rank(rank)
+        raise
+
+
+class ProblemsFound(UserError):
+    """A run or check that went wrong for reasons outside the flags (e.g. a benchmark's rank)."""
+
+    exit_code = EXIT_PROBLEMS
+
+
+class NonFiniteError(UserError):
+    """The loss or the weights became NaN or infinite: training stops before saving them."""
+
+    exit_code = EXIT_NON_FINITE
+
+
+class InternalError(UserError):
+    """An exception ringtrain did not expect, told in one line naming where it was raised."""
+
+    exit_code = EXIT_INTERNAL
+
+    @classmethod
+    def from_exception(cls, exc: BaseException) -> InternalError:
+        where = ""
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        if tb is not None:
+            where = f" (at {tb.tb_frame.f_code.co_filename}:{tb.tb_lineno})"
+        return cls(
+            f"internal error: {type(exc).__name__}: {exc}{where}; "
+            "set RINGTRAIN_TRACEBACK=1 to see the traceback"
+        )
 
 
 def report(prog: str, message: str, rank: int | None = None) -> None:
     """One line on stderr; other ranks than 0 say who they are, so mixed logs stay readable."""
     prefix = f"[rank {rank}] " if rank else ""
-    print(f"{prefix}{prog}: error: {message}", file=sys.stderr, flush=True)
+    line = " ".join(message.split())  # one line, even for a library's multi-line message
+    print(f"{prefix}{prog}: error: {line}", file=sys.stderr, flush=True)

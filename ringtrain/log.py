@@ -1,13 +1,21 @@
-"""Rank-aware output: rank 0 speaks for the job, any other rank's line carries its rank."""
+"""Rank-aware output: rank 0 speaks for the job, any other rank's line carries its rank.
+
+Every line leaves in one write. Launchers that tag output (`mpirun --tag-output`, which
+`horovodrun` uses) tag each chunk they read, so a line written in two pieces (print() writes
+the text and its newline separately when Python runs unbuffered, as PYTHONUNBUFFERED=1 asks)
+comes out glued to the next line's tag.
+"""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
-
-from ringtrain.launch.env import who_am_i
+from collections.abc import Mapping
+from typing import TextIO
 
 _rank = 0
+_bar_open = False  # a live bar's line waits on stdout for its end
 
 
 def set_rank(rank: int) -> None:
@@ -15,40 +23,69 @@ def set_rank(rank: int) -> None:
     _rank = rank
 
 
+def _say(stream: TextIO, line: str) -> None:
+    global _bar_open
+    if _bar_open:  # end the bar's line first, so nothing is written onto it
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        _bar_open = False
+    stream.write(line + "\n")
+    stream.flush()
+
+
 def info(message: str) -> None:
     """Progress and results: printed by rank 0 only."""
     if _rank == 0:
-        print(message, flush=True)
+        _say(sys.stdout, message)
 
 
 def any_rank(message: str) -> None:
     """A line any rank may need to say (a warning); prefixed with its rank."""
     prefix = f"[rank {_rank}] " if _rank else ""
-    print(f"{prefix}{message}", file=sys.stderr, flush=True)
+    _say(sys.stderr, f"{prefix}{message}")
 
 
-class ProgressBar:
-    """A per-epoch bar on rank 0; redrawn in place on a terminal, one summary line elsewhere."""
+def progress_style(mode: str, launcher: str, environ: Mapping[str, str] | None = None) -> str:
+    """What `--progress auto` means here: a live bar only for a person at a terminal of their
+    own; lines under any launcher (it interleaves and tags rank output), in a Slurm batch
+    script, or when stdout is a file or a pipe."""
+    if mode != "auto":
+        return mode
+    env = os.environ if environ is None else environ
+    launched = launcher != "single" or "SLURM_JOB_ID" in env
+    return "lines" if launched or not sys.stdout.isatty() else "bar"
 
-    def __init__(self, label: str, total: int, width: int = 30):
-        self.label, self.total, self.width = label, total, width
-        self.done, self.start = 0, time.perf_counter()
-        # Redrawing needs a real terminal of our own: launchers tag and interleave rank output.
-        self.live = _rank == 0 and sys.stdout.isatty() and who_am_i().source == "single"
+
+class EpochProgress:
+    """One epoch as rank 0 shows it: a live Keras progress bar (`bar`), one line at the end
+    (`lines`), or nothing (`none`); other ranks show nothing."""
+
+    def __init__(self, style: str, label: str, steps: int):
+        self.style = style if _rank == 0 else "none"
+        self.label, self.steps, self.done = label, steps, 0
+        self.started = time.perf_counter()
+        self.bar = None
+        if self.style == "bar":
+            from keras.utils import Progbar
+
+            info(label)
+            self.bar = Progbar(steps, stateful_metrics=["loss"])
 
     def update(self, loss: float) -> None:
+        """One step done; the bar's last step waits for the epoch's results in end()."""
+        global _bar_open
         self.done += 1
-        if self.live:
-            filled = self.width * self.done // self.total
-            bar = "#" * filled + "." * (self.width - filled)
-            print(
-                f"\r{self.label} [{bar}] {self.done}/{self.total} loss {loss:.4f}",
-                end="",
-                flush=True,
-            )
+        if self.bar is not None and self.done < self.steps:
+            self.bar.update(self.done, [("loss", loss)])
+            _bar_open = True
 
-    def close(self, summary: str) -> None:
-        if self.live:
-            print("\r" + " " * (len(self.label) + self.width + 40) + "\r", end="")
-        seconds = time.perf_counter() - self.start
-        info(f"{self.label}: {summary} ({seconds:.1f} s)")
+    def end(self, results: dict[str, float]) -> None:
+        """The epoch's results, e.g. {"loss": 0.31, "held-out accuracy": 0.9}."""
+        global _bar_open
+        if self.bar is not None:
+            self.bar.update(self.done, list(results.items()), finalize=True)
+            _bar_open = False
+        elif self.style == "lines":
+            shown = "  ".join(f"{name} {value:.4f}" for name, value in results.items())
+            seconds = time.perf_counter() - self.started
+            info(f"{self.label}: {shown} ({seconds:.1f} s)")

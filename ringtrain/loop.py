@@ -8,12 +8,12 @@ from typing import Protocol
 
 import numpy as np
 
-from ringtrain import log
+from ringtrain import log, tensorboard
 from ringtrain.checkpoint import RunCheckpoints
 from ringtrain.comm import Link
 from ringtrain.config import TrainConfig
 from ringtrain.data import Dataset, epoch_batches, step_plan
-from ringtrain.guard import StopSignal, Watchdog
+from ringtrain.guard import StopSignal, Watchdog, non_finite
 from ringtrain.optim import learning_rate
 
 
@@ -25,6 +25,7 @@ class Engine(Protocol):
     def evaluate(self) -> float: ...
     def gather_weights(self) -> dict[str, np.ndarray] | None: ...
     def extra_metrics(self) -> dict: ...
+    def epoch_scalars(self) -> dict[str, float]: ...
     def layout(self) -> dict: ...
     def checkpoint_part(self) -> str | None: ...
     def read_part(self) -> str: ...
@@ -51,6 +52,8 @@ def run(
     first, losses = checkpoints.restore() if checkpoints and cfg.resume else (0, [])
     if first:
         log.info(f"resumed from {cfg.checkpoint_dir} at step {first}")
+    style = log.progress_style(cfg.progress, world.launcher)
+    board = tensorboard.Scalars(cfg.tensorboard) if cfg.tensorboard and world.rank == 0 else None
     stop, link = StopSignal(), Link(world.comm, cfg.comm_timeout)
     step_seconds: list[float] = []
     accuracy, finished, started = float("nan"), True, time.perf_counter()
@@ -58,18 +61,36 @@ def run(
         epoch, i = divmod(step, per_epoch)
         if i == 0 or step == first:
             batches = epoch_batches(len(data.x), cfg.batch_size, cfg.seed, epoch)
-            bar = log.ProgressBar(f"epoch {epoch + 1}/{n_epochs}", min(per_epoch, total - step) - i)
-        engine.set_learning_rate(learning_rate(cfg, step / per_epoch, replicas))
+            label, steps = f"epoch {epoch + 1}/{n_epochs}", min(per_epoch - i, total - step)
+            progress = log.EpochProgress(style, label, steps)
+        lr = learning_rate(cfg, step / per_epoch, replicas)
+        engine.set_learning_rate(lr)
         watchdog.kick(f"step {step + 1}")
         tick = time.perf_counter()
         losses.append(engine.step(batches[i]))
         step_seconds.append(time.perf_counter() - tick)
-        bar.update(losses[-1])
-        stopping = stop.agree(world.comm, link.wait) or cfg.stop_after == step + 1
+        progress.update(losses[-1])
+        if board:  # on the optimizer-step axis: a resumed run continues the same curves
+            rates = {"learning_rate": lr, "samples_per_sec": cfg.batch_size / step_seconds[-1]}
+            board.write(step + 1, {"loss": losses[-1], **rates})
+        stopping, finite = stop.agree(world.comm, link.wait, losses[-1])
+        if not finite:  # every rank stops here, before a checkpoint could hold the damage
+            what = f"the loss became non-finite ({losses[-1]})"
+            newest = checkpoints.newest if checkpoints else None
+            raise non_finite(what, step + 1, world.rank, newest)
+        stopping = stopping or cfg.stop_after == step + 1
         due = cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0
         if checkpoints and (stopping or due or step + 1 == total):
             watchdog.kick(f"the checkpoint at step {step + 1}")
             checkpoints.save(step + 1, epoch, losses)
+        if i == per_epoch - 1 or step == total - 1:  # an epoch ends, even on a stop: report it
+            watchdog.kick(f"evaluation after step {step + 1}")
+            accuracy = engine.evaluate()
+            epoch_loss = float(np.mean(losses[step - i :]))
+            progress.end({"loss": epoch_loss, "held-out accuracy": accuracy})
+            measured = engine.epoch_scalars() if cfg.tensorboard else {}  # every rank joins
+            if board:
+                board.write(step + 1, {"held_out_accuracy": accuracy, **measured}, flush=True)
         if stopping and step + 1 < total:
             finished = False
             log.info(
@@ -77,11 +98,8 @@ def run(
                 + (f"; checkpoint in {cfg.checkpoint_dir}" if checkpoints else "")
             )
             break
-        if i == per_epoch - 1 or step == total - 1:
-            watchdog.kick(f"evaluation after step {step + 1}")
-            accuracy = engine.evaluate()
-            epoch_loss = float(np.mean(losses[step - i :]))
-            bar.close(f"loss {epoch_loss:.4f}  held-out accuracy {accuracy:.4f}")
+    if board:
+        board.close()
     watchdog.kick("the end-of-run metrics")
     seconds = time.perf_counter() - started
     steady = step_seconds[1:] or step_seconds  # the first step includes tracing

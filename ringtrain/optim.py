@@ -8,9 +8,12 @@ from ringtrain.config import TrainConfig
 
 
 def make_optimizer(cfg: TrainConfig) -> keras.optimizers.Optimizer:
+    """A fixed name, because Horovod names its broadcasts after the optimizer's variables:
+    Keras's automatic names ("adam_1", ...) count optimizers per process, so one extra optimizer
+    on one rank would leave the ranks waiting on differently named broadcasts forever."""
     if cfg.optimizer == "sgd":
-        return keras.optimizers.SGD(learning_rate=cfg.lr)
-    return keras.optimizers.Adam(learning_rate=cfg.lr)
+        return keras.optimizers.SGD(learning_rate=cfg.lr, name="ringtrain_sgd")
+    return keras.optimizers.Adam(learning_rate=cfg.lr, name="ringtrain_adam")
 
 
 def learning_rate(cfg: TrainConfig, epoch_progress: float, replicas: int) -> float:

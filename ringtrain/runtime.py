@@ -25,6 +25,7 @@ class World:
     comm: object  # mpi4py COMM_WORLD
     hvd: object | None = None  # horovod.tensorflow, when the strategy averages gradients
     process_sets: list | None = None  # Horovod process sets, in the order they were asked for
+    launcher: str = "single"  # what started the job (who_am_i's source); decides --progress auto
 
 
 def default_threads(local_size: int) -> int:
@@ -37,21 +38,28 @@ def default_threads(local_size: int) -> int:
 
 def tune_environment(local_size: int) -> None:
     """Defaults for a node that ranks fill; every value can be overridden by the environment."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     if local_size >= (os.cpu_count() or 1):
         os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
     os.environ.setdefault("HOROVOD_CYCLE_TIME", "0.1")  # ms; 1 ms cost 3 ms per small allreduce
 
 
-def start(with_horovod: bool, process_sets: list[list[int]] | None = None) -> World:
-    """Initialise MPI (and Horovod on the same communicator) and size TensorFlow's thread pools."""
-    me = who_am_i()
-    tune_environment(me.local_size)
+def start_mpi(local_size: int):
+    """MPI with MULTIPLE thread support, after the node defaults it reads; returns COMM_WORLD.
+    Safe to call again: MPI starts once."""
+    tune_environment(local_size)
     import mpi4py
 
     mpi4py.rc.thread_level = "multiple"
-    import tensorflow as tf
     from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+def start(with_horovod: bool, process_sets: list[list[int]] | None = None) -> World:
+    """Initialise MPI (and Horovod on the same communicator) and size TensorFlow's thread pools."""
+    me = who_am_i()
+    comm = start_mpi(me.local_size)
+    import tensorflow as tf
 
     threads = default_threads(me.local_size)
     tf.config.threading.set_intra_op_parallelism_threads(threads)
@@ -59,7 +67,6 @@ def start(with_horovod: bool, process_sets: list[list[int]] | None = None) -> Wo
     gpus = tf.config.list_physical_devices("GPU")
     if gpus:  # one GPU per rank, chosen by local rank
         tf.config.set_visible_devices(gpus[me.local_rank % len(gpus)], "GPU")
-    comm = MPI.COMM_WORLD
     log.set_rank(comm.Get_rank())
     hvd, sets = None, []
     if with_horovod:
@@ -67,4 +74,6 @@ def start(with_horovod: bool, process_sets: list[list[int]] | None = None) -> Wo
 
         sets = [hvd.ProcessSet(ranks) for ranks in process_sets or []]
         hvd.init(comm=comm, process_sets=sets) if sets else hvd.init(comm=comm)
-    return World(comm.Get_rank(), comm.Get_size(), me.local_rank, me.local_size, comm, hvd, sets)
+    return World(
+        comm.Get_rank(), comm.Get_size(), me.local_rank, me.local_size, comm, hvd, sets, me.source
+    )

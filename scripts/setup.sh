@@ -24,12 +24,17 @@ command -v g++ >/dev/null || apt_wanted+=(g++)
 for tool in slurmctld:slurmctld slurmd:slurmd sbatch:slurm-client munged:munge; do
   command -v "${tool%%:*}" >/dev/null || apt_wanted+=("${tool#*:}")
 done
+# The rehearsal cluster (`ringtrain cluster`, used by the tests): namespaces, veths and link
+# caps come from iproute2 (ip, tc), and every node runs its own sshd.
+for tool in ip:iproute2 tc:iproute2 ssh:openssh-client sshd:openssh-server; do
+  PATH=$PATH:/usr/sbin:/sbin command -v "${tool%%:*}" >/dev/null || apt_wanted+=("${tool#*:}")
+done
 if ((${#apt_wanted[@]})); then
   if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
     say "installing Debian packages: ${apt_wanted[*]}"
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
-    apt-get install -y -qq --no-install-recommends "${apt_wanted[@]}" >/dev/null
+    apt-get install -y -qq --no-install-recommends $(printf '%s\n' "${apt_wanted[@]}" | sort -u) >/dev/null
   else
     die "missing ${apt_wanted[*]}: load your site's MPI module (mpicc, mpirun), cmake and g++, or run this as root on Debian/Ubuntu"
   fi
@@ -86,6 +91,12 @@ if [[ ! -f $src_stamp || setup.cfg -nt $src_stamp || pyproject.toml -nt $src_sta
   "$PY" -m pip install -q --no-deps --no-build-isolation -e .
   touch "$src_stamp"
 fi
+
+# horovodrun imports TensorFlow itself (its build check) before it starts any rank; ringtrain
+# quiets its own ranks, but only the shell's environment quiets that import. The activated
+# venv carries the setting, and a value the user exports wins.
+activate_line='export TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-3}  # ringtrain'
+grep -qxF "$activate_line" "$VENV/bin/activate" || echo "$activate_line" >>"$VENV/bin/activate"
 
 # --- verify -------------------------------------------------------------------------------
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 TF_CPP_MIN_LOG_LEVEL=3

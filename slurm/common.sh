@@ -15,6 +15,7 @@
 # Settings (environment variables, with their defaults):
 #   CKPT_DIR        checkpoint folder                       [ckpt-$SLURM_JOB_NAME]
 #   RINGTRAIN_VENV  virtual environment to activate         [$RINGTRAIN_HOME/.venv if present]
+#   RINGTRAIN_NETWORK  the CIDR ranks talk over, for nodes with several networks  [unset]
 #   RINGTRAIN_HOME  the ringtrain checkout (set by the template before sourcing this file)
 
 readonly RINGTRAIN_CHECKPOINTED=75
@@ -38,6 +39,14 @@ ringtrain_prepare() {
   command -v ringtrain >/dev/null || ringtrain_die "no ringtrain command: set RINGTRAIN_VENV"
   local cpus=${SLURM_CPUS_PER_TASK:-1}
   export OMP_NUM_THREADS=$cpus TF_NUM_INTRAOP_THREADS=$cpus TF_NUM_INTEROP_THREADS=$cpus
+  # RINGTRAIN_NETWORK (a CIDR such as 10.77.0.0/24) names the network the ranks talk over:
+  # ringtrain turns it into Open MPI's btl_tcp_if_include and oob_tcp_if_include (plus a short
+  # keepalive, so a job whose node went silent ends) and Horovod's Gloo interface.
+  if [[ -n ${RINGTRAIN_NETWORK:-} ]]; then
+    local network
+    network=$(python -m ringtrain.launch.network) || ringtrain_die "see the line above"
+    eval "$network"
+  fi
 }
 
 # How ranks start. `srun --mpi=pmix` is the first choice: Debian's Open MPI speaks PMIx to
@@ -45,9 +54,11 @@ ringtrain_prepare() {
 # SLURM's PMI support"). Where `srun --mpi=list` offers no pmix, mpirun inside the allocation
 # is the fallback: Open MPI reads the nodes and tasks per node from Slurm itself.
 # srun gets --cpus-per-task again because Slurm 22.05 steps no longer inherit it from sbatch.
+# --kill-on-bad-exit=1 ends the whole step as soon as one task exits non-zero (a rank that
+# named a silent peer and aborted), instead of leaving the others to wait for it.
 ringtrain_launcher() {
   if srun --mpi=list 2>&1 | grep -qw pmix; then
-    launcher=(srun --mpi=pmix --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}")
+    launcher=(srun --mpi=pmix --kill-on-bad-exit=1 --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}")
   else
     launcher=(mpirun --bind-to none -x OMP_NUM_THREADS -x TF_NUM_INTRAOP_THREADS
       -x TF_NUM_INTEROP_THREADS)

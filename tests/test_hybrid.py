@@ -1,4 +1,4 @@
-"""Hybrid parallelism: D pipeline replicas x P stages equal single-process training."""
+"""Hybrid parallelism: D pipeline replicas x P stages equal a plain TensorFlow loop."""
 
 from __future__ import annotations
 
@@ -6,49 +6,49 @@ import json
 
 import pytest
 from conftest import (
-    REFERENCE_FLAGS,
-    load_npz,
-    mpi_checks,
+    assert_exact_resume,
+    assert_matches_reference,
     one_line_error,
     ringtrain,
+    train_matches_reference,
 )
 
 from ringtrain.pipeline.grid import Grid
-from ringtrain.weights import relative_difference
 
 
 @pytest.mark.mpi
-def test_hybrid_2x2_equals_single_process_for_every_configuration(tmp_path):
-    results = mpi_checks("hybrid", 4, tmp_path)
-    assert len(results) == 16
+def test_hybrid_grids_2x2_4x1_1x4_match_the_independent_reference(grid_checks):
+    results = grid_checks.results(4, "hybrid")
+    assert_matches_reference(results)
+    assert {r["stages"] for r in results} == {1, 2, 4}
     for r in results:
-        assert r["rel_diff"] <= 1e-5, r
-        sums = r["replica_checksums"]  # ranks 0,2 hold stage 0; ranks 1,3 hold stage 1
-        assert sums[0] == sums[2] and sums[1] == sums[3], r
+        grid = Grid(4, r["stages"])
+        sums = r["replica_checksums"]  # every replica of a stage holds the same weights
+        for ranks in grid.stage_sets():
+            assert len({sums[rank] for rank in ranks}) == 1, r
 
 
 @pytest.mark.mpi
-def test_cli_hybrid_matches_single_process(tmp_path, single_reference):
-    weights, metrics = tmp_path / "w.npz", tmp_path / "m.json"
-    done = ringtrain(
-        "train",
+def test_hybrid_resume_is_bit_for_bit(grid_checks):
+    checks = grid_checks.resumes(4, "hybrid")
+    assert_exact_resume(checks)
+    assert {c["config"]["model"] for c in checks} == {"transformer"}
+
+
+@pytest.mark.mpi
+def test_cli_hybrid_matches_the_independent_reference(tmp_path, cli_reference):
+    done, report = train_matches_reference(
+        cli_reference,
+        tmp_path,
         "--strategy",
         "hybrid",
         "--pp-size",
         "2",
         "--microbatches",
         "4",
-        *REFERENCE_FLAGS,
-        "--weights-out",
-        str(weights),
-        "--metrics-out",
-        str(metrics),
         ranks=4,
     )
-    assert done.returncode == 0, done.stderr[-2000:]
     assert "pipeline 1: ranks [2, 3]" in done.stdout
-    assert relative_difference(load_npz(weights), single_reference) <= 1e-5
-    report = json.loads(metrics.read_text())
     assert report["dp_size"] == 2 and report["pp_size"] == 2
     assert "bubble_measured" in report and "bubble_predicted" in report
 

@@ -1,6 +1,6 @@
-"""Pipeline schedules are plain data: valid, deadlock-free and with the textbook bubble."""
+"""Pipeline schedules are plain data: valid, deadlock-free and with the textbook bubbles."""
 
-import argparse
+import functools
 import json
 import subprocess
 import sys
@@ -8,50 +8,128 @@ from pathlib import Path
 
 import pytest
 
-from ringtrain.pipeline.schedule import (
-    SCHEDULES,
+from ringtrain import cli
+from ringtrain.errors import UserError
+from ringtrain.pipeline.generators import SCHEDULES
+from ringtrain.pipeline.ir import (
     Action,
     Schedule,
-    build_schedule,
-    naive_lowering,
     parse_action,
-    validate,
+    schedule_from_json,
+    schedule_to_json,
 )
-from ringtrain.pipeline.schedule_cli import add_schedule_arguments, run_schedule_command
-from ringtrain.pipeline.simulate import predicted_bubble, simulate
+from ringtrain.pipeline.lower import naive_lowering
+from ringtrain.pipeline.schedule import build_schedule, load_schedule_file
+from ringtrain.pipeline.simulate import SimResult, simulate
+from ringtrain.pipeline.validate import validate
 
-GRID = [(kind, p, m) for kind in SCHEDULES for p in range(1, 9) for m in range(1, 33)]
 REPO = Path(__file__).resolve().parents[1]
+GRID = [(p, m) for p in range(1, 9) for m in range(1, 33)]
+
+
+def built(kind: str, p: int, m: int, v: int = 1) -> tuple[Schedule, SimResult]:
+    """Each schedule is built and simulated once for all the tests below."""
+    return _built(kind, p, m, v)
+
+
+@functools.cache
+def _built(kind: str, p: int, m: int, v: int) -> tuple[Schedule, SimResult]:
+    schedule = build_schedule(kind, p, m, v)
+    return schedule, simulate(schedule)
+
+
+def every_generated_schedule():
+    for p, m in GRID:
+        for kind in ("gpipe", "1f1b", "zb-h1"):
+            yield kind, p, m, 1
+        if m % p == 0:
+            yield "interleaved", p, m, 2
+    for p, m, v in [(2, 4, 3), (4, 8, 4), (3, 9, 3), (8, 16, 3)]:
+        yield "interleaved", p, m, v
 
 
 def compute_order(schedule: Schedule) -> list[str]:
     return [" ".join(str(a) for a in row if a.is_compute) for row in schedule.actions]
 
 
-def test_every_schedule_up_to_8_stages_and_32_microbatches_is_valid():
-    for kind, p, m in GRID:
-        validate(build_schedule(kind, p, m))
+def test_every_generated_schedule_up_to_8_stages_and_32_microbatches_is_valid():
+    """Valid includes running to the end with blocking sends: no deadlock."""
+    for kind, p, m, v in every_generated_schedule():
+        validate(built(kind, p, m, v)[0])
 
 
-def test_unit_cost_bubble_makespan_and_peak_inflight_match_the_formulas():
-    for kind, p, m in GRID:
-        result = simulate(build_schedule(kind, p, m))
-        assert result.bubble == pytest.approx((p - 1) / (m + p - 1), abs=1e-12), (kind, p, m)
-        assert result.makespan == 2 * (m + p - 1), (kind, p, m)
-        expected = [m] * p if kind == "gpipe" else [min(p - s, m) for s in range(p)]
-        assert result.peak_inflight == expected, (kind, p, m)
-    assert predicted_bubble("1f1b", 4, 8) == pytest.approx(3 / 11)
+def test_gpipe_and_1f1b_unit_cost_bubble_makespan_and_peak_inflight_match_the_formulas():
+    for p, m in GRID:
+        for kind in ("gpipe", "1f1b"):
+            result = built(kind, p, m)[1]
+            assert result.bubble == pytest.approx((p - 1) / (m + p - 1), abs=1e-12), (kind, p, m)
+            assert result.makespan == 2 * (m + p - 1), (kind, p, m)
+            expected = [m] * p if kind == "gpipe" else [min(p - s, m) for s in range(p)]
+            assert result.peak_inflight == expected, (kind, p, m)
+
+
+def test_interleaved_bubble_is_below_1f1b_and_shrinks_v_times():
+    """Megatron's figure: the warm-up costs (P-1)/V of a microbatch, so the bubble is
+    (P-1)/(V*M + P-1) against 1F1B's (P-1)/(M + P-1)."""
+    for kind, p, m, v in every_generated_schedule():
+        if kind != "interleaved" or p == 1:
+            continue
+        result = built(kind, p, m, v)[1]
+        assert result.bubble < built("1f1b", p, m)[1].bubble, (p, m, v)
+        assert result.bubble == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-9), (p, m, v)
+
+
+def test_zb_h1_bubble_is_below_1f1b_with_the_same_peak_inflight_activations():
+    """The peak is 1F1B's, P (its first stage's), on every stage; from M >= P on, the idle
+    time per rank is (P-1)(F + BI - BW) = P-1 at unit costs instead of 1F1B's 2(P-1)."""
+    for p, m in GRID:
+        if p == 1:
+            continue
+        zb, one_f_one_b = built("zb-h1", p, m)[1], built("1f1b", p, m)[1]
+        assert zb.bubble < one_f_one_b.bubble, (p, m)
+        assert max(zb.peak_inflight) == max(one_f_one_b.peak_inflight) == min(p, m), (p, m)
+        assert zb.peak_inflight == [min(p, m)] * p, (p, m)
+        if m >= p:
+            assert zb.makespan == 2 * m + p - 1, (p, m)
+
+
+def test_bubbles_at_4_stages_and_8_microbatches():
+    bubbles = {kind: built(kind, 4, 8, 2 if kind == "interleaved" else 1)[1] for kind in SCHEDULES}
+    assert bubbles["gpipe"].bubble == bubbles["1f1b"].bubble == pytest.approx(3 / 11)
+    assert bubbles["interleaved"].bubble == pytest.approx(3 / 19)
+    assert bubbles["zb-h1"].bubble == pytest.approx(3 / 19)
+
+
+def test_simulator_takes_measured_costs_and_message_time_by_bytes():
+    """GPipe with B = 2F takes 3(M+P-1); a message of stage 0's 50 bytes at 100 bytes per
+    unit adds half a unit on the way down and again on the way up."""
+    gpipe = built("gpipe", 3, 4)[0]
+    slow_backward = simulate(gpipe, cost=lambda a: {"F": 1.0, "B": 2.0}.get(a.op, 0.0))
+    assert slow_backward.makespan == 3 * (4 + 3 - 1)
+    one = built("1f1b", 2, 1)[0]
+    timed = simulate(one, message_time=lambda n: n / 100, boundary_bytes=[50])
+    assert timed.makespan == 4 + 0.5 + 0.5
+    assert timed.timeline[1] == [("1F0", 1.5, 2.5), ("1B0", 2.5, 3.5)]
 
 
 HAND_TABLES = {
-    ("gpipe", 2, 4): ["F0 F1 F2 F3 B0 B1 B2 B3"] * 2,
-    ("1f1b", 2, 4): ["F0 F1 B0 F2 B1 F3 B2 B3", "F0 B0 F1 B1 F2 B2 F3 B3"],
-    ("gpipe", 4, 8): ["F0 F1 F2 F3 F4 F5 F6 F7 B0 B1 B2 B3 B4 B5 B6 B7"] * 4,
+    ("gpipe", 2, 4): ["0F0 0F1 0F2 0F3 0B0 0B1 0B2 0B3", "1F0 1F1 1F2 1F3 1B0 1B1 1B2 1B3"],
+    ("1f1b", 2, 4): ["0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3", "1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3"],
     ("1f1b", 4, 8): [
-        "F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7",
-        "F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 B6 B7",
-        "F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 B7",
-        "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7",
+        "0F0 0F1 0F2 0F3 0B0 0F4 0B1 0F5 0B2 0F6 0B3 0F7 0B4 0B5 0B6 0B7",
+        "1F0 1F1 1F2 1B0 1F3 1B1 1F4 1B2 1F5 1B3 1F6 1B4 1F7 1B5 1B6 1B7",
+        "2F0 2F1 2B0 2F2 2B1 2F3 2B2 2F4 2B3 2F5 2B4 2F6 2B5 2F7 2B6 2B7",
+        "3F0 3B0 3F1 3B1 3F2 3B2 3F3 3B3 3F4 3B4 3F5 3B5 3F6 3B6 3F7 3B7",
+    ],
+    # stage s runs each BW s microbatches after its BI
+    ("zb-h1", 2, 4): [
+        "0F0 0F1 0BI0 0BW0 0F2 0BI1 0BW1 0F3 0BI2 0BW2 0BI3 0BW3",
+        "1F0 1BI0 1F1 1BI1 1BW0 1F2 1BI2 1BW1 1F3 1BI3 1BW2 1BW3",
+    ],
+    # rank r holds stages r and r + 2; groups of 2 microbatches go through both
+    ("interleaved", 2, 4): [
+        "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3",
+        "1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3",
     ],
 }
 
@@ -59,101 +137,250 @@ HAND_TABLES = {
 @pytest.mark.parametrize("key", list(HAND_TABLES), ids=lambda k: f"{k[0]}-P{k[1]}-M{k[2]}")
 def test_compute_order_equals_hand_derived_table(key):
     kind, p, m = key
-    schedule = build_schedule(kind, p, m)
+    schedule = built(kind, p, m, 2 if kind == "interleaved" else 1)[0]
     assert compute_order(schedule) == HAND_TABLES[key]
-    assert simulate(schedule).makespan == 2 * (m + p - 1)
 
 
-def test_1f1b_lowering_at_2_stages_sends_where_the_peer_needs_it():
-    rows = [" ".join(str(a) for a in row) for row in build_schedule("1f1b", 2, 4).actions]
+def test_interleaved_places_stage_s_on_rank_s_mod_p():
+    schedule = built("interleaved", 4, 8, 3)[0]
+    assert schedule.stage_ranks == (0, 1, 2, 3) * 3
+    for r, row in enumerate(schedule.actions):
+        assert {a.stage for a in row} == {r, r + 4, r + 8}
+
+
+def test_1f1b_lowering_at_2_stages_sends_where_the_peer_needs_it_then_reduces_and_steps():
+    rows = [" ".join(str(a) for a in row) for row in built("1f1b", 2, 4)[0].actions]
     assert rows == [
-        "F0 SA0 F1 RG0 SA1 B0 F2 RG1 SA2 B1 F3 RG2 SA3 B2 RG3 B3",
-        "RA0 F0 B0 SG0 RA1 F1 B1 SG1 RA2 F2 B2 SG2 RA3 F3 B3 SG3",
+        "0F0 0SA0 0F1 0RG0 0SA1 0B0 0F2 0RG1 0SA2 0B1 0F3 0RG2 0SA3 0B2 0RG3 0B3 0REDUCE 0STEP",
+        "1RA0 1F0 1B0 1SG0 1RA1 1F1 1B1 1SG1 1RA2 1F2 1B2 1SG2 1RA3 1F3 1B3 1SG3 1REDUCE 1STEP",
     ]
 
 
-def test_single_stage_has_no_communication():
-    assert all(a.is_compute for a in build_schedule("1f1b", 1, 5).actions[0])
+def test_zb_h1_sends_the_gradient_after_bi_and_reduces_after_the_last_bw():
+    rank1 = [str(a) for a in built("zb-h1", 2, 4)[0].actions[1]]
+    assert rank1.index("1SG0") == rank1.index("1BI0") + 1
+    assert rank1[-3:] == ["1BW3", "1REDUCE", "1STEP"]
 
 
-def test_naive_1f1b_lowering_deadlocks_at_2_stages():
-    with pytest.raises(ValueError, match=r"deadlock.*stage 0 at SA1.*stage 1 at SG0"):
-        validate(naive_lowering("1f1b", 2, 4))
-    validate(naive_lowering("gpipe", 2, 4))  # GPipe survives the naive lowering
+def test_stages_on_one_rank_hand_off_in_memory_without_messages():
+    schedule = built("interleaved", 1, 3, 2)[0]
+    assert not any(a.is_message for a in schedule.actions[0])
+    assert schedule.actions[0][-3:] == [Action(0, "REDUCE"), Action(0, "STEP"), Action(1, "STEP")]
 
 
-def test_validator_rejects_backward_before_forward():
-    with pytest.raises(ValueError, match="B0 comes before F0"):
-        validate(Schedule("custom", 1, 1, [[Action("B", 0), Action("F", 0)]]))
+def test_naive_1f1b_lowering_deadlocks_at_2_stages_and_gpipe_survives_it():
+    orders, ranks = SCHEDULES["1f1b"](2, 4, 1), (0, 1)
+    naive = Schedule("1f1b", 4, ranks, naive_lowering(orders, ranks))
+    with pytest.raises(ValueError) as err:
+        validate(naive)
+    assert str(err.value) == (
+        "rank 0 action 3 (0SA1): deadlock under blocking sends; rank 1 waits at action 3 (1SG0)"
+    )
+    validate(Schedule("gpipe", 4, ranks, naive_lowering(SCHEDULES["gpipe"](2, 4, 1), ranks)))
 
 
-def test_validator_rejects_a_missing_receive():
-    schedule = build_schedule("gpipe", 2, 2)
-    schedule.actions[1].remove(Action("RECV_ACT", 1))
-    with pytest.raises(ValueError, match="stage 1: RA1 must appear exactly once"):
-        validate(schedule)
+def edited_1f1b(edit) -> Schedule:
+    """A 2-rank, 4-microbatch 1F1B schedule after `edit(lists of action strings)`."""
+    doc = schedule_to_json(built("1f1b", 2, 4)[0])
+    edit(doc["actions"])
+    return schedule_from_json(doc)
 
 
-def test_validator_rejects_a_send_without_a_peer():
-    schedule = build_schedule("gpipe", 2, 2)
-    schedule.actions[1].append(Action("SEND_ACT", 0))
-    with pytest.raises(ValueError, match="stage 1: unexpected SA0"):
-        validate(schedule)
+def swap(row: list[str], a: str, b: str) -> None:
+    i, j = row.index(a), row.index(b)
+    row[i], row[j] = row[j], row[i]
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (
+            lambda rows: swap(rows[1], "1F3", "1B3"),
+            "rank 1 action 13 (1B3): backward of microbatch 3 before its forward",
+        ),
+        (
+            lambda rows: rows[1].remove("1RA1"),
+            "rank 1 action 4 (1F1): runs before receiving its activation",
+        ),
+        (
+            lambda rows: rows[0].remove("0RG2"),
+            "rank 0 action 12 (0B2): runs before receiving its gradient",
+        ),
+        (
+            lambda rows: rows[1].insert(0, "1SA0"),
+            "rank 1 action 0 (1SA0): there is no stage 2 to send to",
+        ),
+        (
+            lambda rows: rows[0].insert(0, "1F0"),
+            "rank 0 action 0 (1F0): stage 1 runs on rank 1",
+        ),
+        (lambda rows: rows[0].append("0F1"), "rank 0 action 18 (0F1): repeats an earlier action"),
+        (
+            lambda rows: rows[0].insert(0, "0F9"),
+            "rank 0 action 0 (0F9): microbatch 9 is out of range (there are 4)",
+        ),
+        (lambda rows: rows[0].remove("0STEP"), "rank 0: 0STEP is missing"),
+        (
+            lambda rows: swap(rows[0], "0REDUCE", "0B3"),
+            "rank 0 action 15 (0REDUCE): averages gradients before 0B3",
+        ),
+        (lambda rows: rows[1].remove("1SG2"), "rank 1: 1SG2 is missing"),
+        (
+            lambda rows: swap(rows[0], "0SA1", "0RG0"),
+            "rank 0 action 3 (0SA1): deadlock under blocking sends; "
+            "rank 1 waits at action 3 (1SG0)",
+        ),
+    ],
+)
+def test_validator_names_the_first_bad_action_in_one_line(edit, message):
+    with pytest.raises(ValueError) as err:
+        validate(edited_1f1b(edit))
+    assert str(err.value) == message
+
+
+def test_validator_checks_the_halves_of_a_split_backward():
+    doc = schedule_to_json(built("zb-h1", 2, 2)[0])
+    swap(doc["actions"][0], "0BI1", "0BW1")
+    with pytest.raises(ValueError, match=r"\(0BW1\): weight-gradient half of microbatch 1 before"):
+        validate(schedule_from_json(doc))
 
 
 def test_actions_print_and_parse_round_trip():
-    for text in ["F3", "B3", "SA3", "RA3", "SG3", "RG3", "F12"]:
+    for text in ["0F3", "1B3", "2BI3", "2BW3", "0SA3", "1RA3", "1SG3", "0RG3", "12F12"]:
         assert str(parse_action(text)) == text
-    assert parse_action("RG7") == Action("RECV_GRAD", 7)
-    with pytest.raises(ValueError):
-        parse_action("X1")
+    assert parse_action("3REDUCE") == Action(3, "REDUCE")
+    assert parse_action("1RG7") == Action(1, "RECV_GRAD", 7)
+    for bad in ["F3", "0X1", "0STEP3", "0F", ""]:
+        with pytest.raises(ValueError):
+            parse_action(bad)
 
 
-@pytest.mark.parametrize("args", [("zb", 2, 2), ("1f1b", 0, 2), ("1f1b", 2, 0)])
-def test_build_schedule_rejects_bad_arguments(args):
-    with pytest.raises(ValueError):
+def test_every_kind_round_trips_through_its_json_file(tmp_path):
+    for kind, p, m, v in [("gpipe", 3, 4, 1), ("1f1b", 4, 8, 1), ("zb-h1", 3, 5, 1)] + [
+        ("interleaved", 2, 4, 3)
+    ]:
+        schedule = built(kind, p, m, v)[0]
+        path = tmp_path / f"{kind}.json"
+        path.write_text(json.dumps(schedule_to_json(schedule)))
+        assert load_schedule_file(str(path)) == schedule
+
+
+def test_a_compute_order_file_is_lowered_to_the_generated_schedule(tmp_path):
+    generated = built("1f1b", 3, 6)[0]
+    path = tmp_path / "order.json"
+    order = [row.split() for row in compute_order(generated)]
+    path.write_text(json.dumps({"kind": "1f1b", "microbatches": 6, "actions": order}))
+    assert load_schedule_file(str(path)) == generated
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ("{", "not JSON"),
+        ('{"microbatches": 2}', "missing key 'actions'"),
+        ('{"microbatches": 2, "actions": [["0F0"]], "stagse": 1}', "unknown key 'stagse'"),
+        ('{"microbatches": 1, "actions": [["0F0", "0X0"]]}', "rank 0 action 1: not an action"),
+        (
+            '{"microbatches": 1, "actions": [["0F0", "0B0"], ["1B0", "1F0"]]}',
+            "rank 1 action 0 (1B0): backward of microbatch 0 before its forward",
+        ),
+        (
+            '{"microbatches": 2, "actions": [["0F0", "0B0", "0F1", "0B1"], '
+            '["1F1", "1B1", "1F0", "1B0"]]}',
+            "rank 0 action 1 (0B0): the compute orders wait on each other; "
+            "rank 1 waits at action 0 (1F1)",
+        ),
+    ],
+)
+def test_an_invalid_schedule_file_is_refused_with_one_line(tmp_path, content, message):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(UserError) as err:
+        load_schedule_file(str(path))
+    assert str(err.value).startswith(f"{path}: ") and message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (("zb", 2, 2), "unknown schedule kind"),
+        (("1f1b", 0, 2), "stages must be >= 1"),
+        (("1f1b", 2, 0), "microbatches must be >= 1"),
+        (("1f1b", 2, 4, 2), "virtual stages are for interleaved"),
+        (("interleaved", 4, 6, 2), "microbatches (6) to be a multiple of the pipeline stages (4)"),
+    ],
+)
+def test_build_schedule_rejects_bad_arguments(args, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         build_schedule(*args)
 
 
 def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    parser = argparse.ArgumentParser(prog="ringtrain schedule")
-    add_schedule_arguments(parser)
-    code = run_schedule_command(parser.parse_args(argv))
+    code = cli.main(["schedule", *argv])
     out, err = capsys.readouterr()
     return code, out, err
 
 
-def test_cli_json_prints_one_object_with_the_lowered_actions(capsys):
+def test_cli_json_prints_the_schedule_file_with_its_prediction(capsys):
     code, out, _ = run_cli(
         ["--kind", "1f1b", "--stages", "3", "--microbatches", "5", "--json"], capsys
     )
     assert code == 0
     doc = json.loads(out)
-    keys = {"kind", "stages", "microbatches", "actions", "predicted_bubble", "peak_inflight"}
-    assert set(doc) == keys
-    assert (doc["kind"], doc["stages"], doc["microbatches"]) == ("1f1b", 3, 5)
-    assert doc["actions"] == [[str(a) for a in row] for row in build_schedule("1f1b", 3, 5).actions]
+    assert schedule_from_json(doc) == built("1f1b", 3, 5)[0]
+    assert (doc["ranks"], doc["stages"], doc["microbatches"]) == (3, 3, 5)
     assert doc["predicted_bubble"] == pytest.approx(2 / 7)
     assert doc["peak_inflight"] == [3, 2, 1]
 
 
-def test_cli_text_shows_one_line_per_stage_and_the_bubble(capsys):
+def test_cli_text_shows_one_line_per_rank_and_the_bubble(capsys):
     code, out, _ = run_cli(["--kind", "gpipe", "-P", "2", "-M", "2"], capsys)
     assert code == 0
-    assert "stage 0 | F0 F1 .  .  B0 B1\n" in out and "stage 1 | .  F0 F1 B0 B1 .\n" in out
+    assert "rank 0 | 0F0 0F1 .   .   0B0 0B1\n" in out and "rank 1 | .   1F0 1F1 1B0 1B1 .\n" in out
     assert "predicted bubble: 33.3%" in out
 
 
-@pytest.mark.parametrize("flag", ["--stages", "--microbatches"])
-def test_cli_rejects_non_positive_values_with_exit_code_2(flag, capsys):
-    code, out, err = run_cli([flag, "0"], capsys)
+def test_cli_checks_and_simulates_a_user_file(tmp_path, capsys):
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(schedule_to_json(built("zb-h1", 4, 8)[0])))
+    code, out, _ = run_cli(["--file", str(path)], capsys)
+    assert code == 0 and "predicted bubble: 15.8%" in out
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--stages", "0"], "stages must be >= 1"),
+        (["--microbatches", "0"], "microbatches must be >= 1"),
+        (["--kind", "interleaved", "-P", "4", "-M", "6"], "multiple of the pipeline stages"),
+        (["--file", "s.json", "--kind", "1f1b"], "--kind does not apply"),
+        (["--file", "/nonexistent/s.json"], "cannot read the schedule"),
+    ],
+)
+def test_cli_refuses_bad_input_with_one_line_and_exit_code_2(argv, message, capsys):
+    code, out, err = run_cli(argv, capsys)
     assert code == 2 and out == ""
     assert err.startswith("ringtrain schedule: error:") and err.count("\n") == 1
+    assert message in err
+
+
+def test_cli_refuses_an_invalid_file_naming_the_first_bad_action(tmp_path, capsys):
+    doc = schedule_to_json(built("1f1b", 2, 4)[0])
+    swap(doc["actions"][1], "1F3", "1B3")
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(doc))
+    code, _, err = run_cli(["--file", str(path)], capsys)
+    assert code == 2
+    assert err == (
+        f"ringtrain schedule: error: {path}: rank 1 action 13 (1B3): "
+        "backward of microbatch 3 before its forward\n"
+    )
 
 
 def test_cli_writes_a_gantt_png(tmp_path, capsys):
     path = tmp_path / "gantt.png"
-    code, _, _ = run_cli(["--stages", "2", "--microbatches", "3", "--png", str(path)], capsys)
+    code, _, _ = run_cli(["--kind", "zb-h1", "-P", "2", "-M", "3", "--png", str(path)], capsys)
     assert code == 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -24,7 +24,7 @@ from importlib import metadata
 from pathlib import Path
 from statistics import median
 
-from ringtrain.errors import EXIT_FAILURE, UserError, report
+from ringtrain.errors import ProblemsFound, UserError
 
 RESULTS = Path("benchmarks/results")
 ROOT_OK = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
@@ -78,21 +78,21 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         )
         p.add_argument("--out", default=str(RESULTS / f"{name}.json"), help="raw and summary JSON")
         p.add_argument("--png", default=str(RESULTS / f"{name}.png"), help="the chart")
+        p.set_defaults(prog=p.prog)
 
 
 def _prepare_outputs(args: argparse.Namespace) -> None:
     """Bad output paths fail before minutes of measuring, not after."""
-    from ringtrain.config import check_writable
+    from ringtrain.config import check_png, check_writable
 
-    if Path(args.png).suffix.lower() != ".png":
-        raise UserError(f"--png {args.png}: the chart is written as PNG, so name it *.png")
     for flag, path in (("--out", args.out), ("--png", args.png)):
         folder = Path(path).resolve().parent
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise UserError(f"{flag} {path}: cannot create folder {folder} ({exc})") from None
-        check_writable(flag, path)
+    check_writable("--out", args.out)
+    check_png("--png", args.png)
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
@@ -105,8 +105,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     try:
         result = bench.measure(args)
     except RunFailed as exc:
-        report(f"ringtrain bench {args.bench}", str(exc))
-        return EXIT_FAILURE
+        raise ProblemsFound(str(exc)) from None
     result |= {"machine": machine_facts(), "quick": args.quick}
     result["wall_seconds"] = time.perf_counter() - started
     write_json(args.out, result)
@@ -178,8 +177,12 @@ def deadline(quick: bool) -> float:
 
 
 def mpi_env(threads: int) -> dict[str, str]:
-    """Open MPI as root, TensorFlow quiet, and every rank's pools sized by ringtrain's rule."""
-    return {**os.environ, **ROOT_OK, **QUIET, "RINGTRAIN_THREADS": str(threads)}
+    """Open MPI as root, TensorFlow quiet, every rank's pools sized by ringtrain's rule, and
+    RINGTRAIN_NETWORK (if set) as Open MPI's and Horovod's interface choice."""
+    from ringtrain.launch.network import launcher_environment
+
+    network = launcher_environment()
+    return {**os.environ, **ROOT_OK, **QUIET, **network, "RINGTRAIN_THREADS": str(threads)}
 
 
 def mpirun_command(ranks: int, module: str, *args: str) -> list[str]:

@@ -60,7 +60,7 @@ def _pipeline(spec, data, cfg, world, steps) -> dict:
         for op in ("F", "B"):
             sel = rows[(rows[:, 5] == stage) & (rows[:, 1] == OPS.index(op))]
             mean[stage, op] = float(np.mean(sel[:, 4] - sel[:, 3]))
-    predicted = simulate(engine.schedule, lambda s, a: mean[s, a.op] if a.is_compute else 0.0)
+    predicted = simulate(engine.schedule, lambda a: mean[a.stage, a.op] if a.is_compute else 0.0)
     act_bytes = [int(np.prod(engine.act_in.shape[1:])) * 4]  # stage 0 output = stage 1 input
     return {
         "samples_per_sec": cfg.batch_size * steps / seconds,

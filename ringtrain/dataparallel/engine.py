@@ -81,3 +81,7 @@ class DataParallelEngine(Checkpointable):
 
     def extra_metrics(self) -> dict:
         return {"replica_checksums": replica_checksums(self.world.comm, self.variables)}
+
+    def epoch_scalars(self) -> dict[str, float]:
+        """Nothing beyond what the loop measures: data parallelism has no bubble."""
+        return {}

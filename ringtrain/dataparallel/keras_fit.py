@@ -6,6 +6,7 @@ replace them: broadcast of the initial state, epoch-metric averaging, LR scaling
 
 from __future__ import annotations
 
+import math
 import time
 
 import keras
@@ -16,7 +17,7 @@ from ringtrain.config import TrainConfig
 from ringtrain.data import Dataset, epoch_batches, shard, step_plan
 from ringtrain.dataparallel.collectives import average_gradients, broadcast_state
 from ringtrain.evaluate import sharded_accuracy
-from ringtrain.guard import Watchdog
+from ringtrain.guard import Watchdog, non_finite
 from ringtrain.models import ModelSpec
 from ringtrain.optim import learning_rate, make_optimizer
 from ringtrain.runtime import World
@@ -101,6 +102,10 @@ class LossRecorder(keras.callbacks.Callback):
         if self.hvd is not None:
             loss = self.hvd.allreduce(loss, op=self.hvd.Average)
         self.losses.append(float(loss))
+        if not math.isfinite(self.losses[-1]):  # averaged, so every rank stops at this step
+            what = f"the loss became non-finite ({self.losses[-1]})"
+            rank = self.hvd.rank() if self.hvd is not None else 0
+            raise non_finite(what, len(self.losses), rank, None)
 
 
 class KickWatchdog(keras.callbacks.Callback):
@@ -112,6 +117,15 @@ class KickWatchdog(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.watchdog.kick(f"batch {batch + 1} of model.fit")
+
+
+class ShowProgress(keras.callbacks.Callback):
+    """Feeds each batch's loss to the epoch's progress (a bar on rank 0, or nothing)."""
+
+    progress: log.EpochProgress
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.progress.update(float(logs["loss"]))
 
 
 def fit(spec: ModelSpec, data: Dataset, cfg: TrainConfig, world: World, watchdog: Watchdog):
@@ -129,13 +143,21 @@ def fit(spec: ModelSpec, data: Dataset, cfg: TrainConfig, world: World, watchdog
     )
     total, per_epoch = step_plan(len(data.x), cfg.batch_size, cfg.epochs, cfg.steps)
     recorder = LossRecorder(hvd)
-    callbacks = [recorder, LearningRateWarmup(cfg, world.size, per_epoch), KickWatchdog(watchdog)]
+    shown = ShowProgress()
+    callbacks = [
+        recorder,
+        LearningRateWarmup(cfg, world.size, per_epoch),
+        KickWatchdog(watchdog),
+        shown,
+    ]
     if hvd is not None:
         callbacks += [BroadcastInitialState(hvd), MetricAverage(hvd)]
     local_batch = cfg.batch_size // world.size
     started = time.perf_counter()
-    for epoch in range(-(-total // per_epoch)):
+    n_epochs, style = -(-total // per_epoch), log.progress_style(cfg.progress, world.launcher)
+    for epoch in range(n_epochs):
         steps = min(per_epoch, total - epoch * per_epoch)
+        shown.progress = log.EpochProgress(style, f"epoch {epoch + 1}/{n_epochs}", steps)
         order = epoch_batches(len(data.x), cfg.batch_size, cfg.seed, epoch)[:steps]
         local = np.concatenate([shard(b, world.rank, world.size) for b in order])
         history = model.fit(
@@ -147,9 +169,8 @@ def fit(spec: ModelSpec, data: Dataset, cfg: TrainConfig, world: World, watchdog
             verbose=0,
             callbacks=callbacks,
         )
-        log.info(
-            f"epoch {epoch + 1}: loss {history.history['loss'][0]:.4f}  "
-            f"train accuracy {history.history['accuracy'][0]:.4f}"
+        shown.progress.end(
+            {"loss": history.history["loss"][0], "train accuracy": history.history["accuracy"][0]}
         )
     seconds = time.perf_counter() - started
     predict = lambda x: np.argmax(model.predict(x, verbose=0), axis=-1)  # noqa: E731

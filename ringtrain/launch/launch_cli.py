@@ -1,7 +1,7 @@
 """`ringtrain hostfile convert|check` and `ringtrain slurm render`, for the main CLI to mount.
 
 Exit codes: 0 done; 1 `hostfile check` found problems (printed as `line K: ...` on stdout);
-2 bad input, reported as one `ringtrain <command>: error: ...` line on stderr.
+bad input raises UserError, which the main CLI reports as one line and exit code 2.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from ringtrain.errors import EXIT_USAGE, report
+from ringtrain.errors import EXIT_PROBLEMS, UserError
 from ringtrain.launch.hostfile import (
     TOOLS,
     expand_nodelist,
@@ -22,9 +22,9 @@ from ringtrain.launch.hostfile import (
     to_horovod,
     to_mpirun,
 )
-from ringtrain.launch.slurm_render import STRATEGIES, render
+from ringtrain.launch.network import unresolved_hosts
+from ringtrain.launch.slurm_render import STRATEGIES, node_range, render
 
-EXIT_PROBLEMS_FOUND = 1  # like a linter: the check ran, and the file has problems
 _FORMATS: dict[str, Callable[[list[tuple[str, int]]], str]] = {
     "mpirun": to_mpirun,
     "horovod": lambda pairs: to_horovod(pairs) + "\n",
@@ -61,7 +61,7 @@ def add_hostfile_arguments(subparser: argparse.ArgumentParser) -> None:
         choices=sorted(_FORMATS),
         help="mpirun: 'host slots=N' lines; horovod: one host:N,host:N list",
     )
-    convert.set_defaults(launch_run=_convert, launch_prog=convert.prog)
+    convert.set_defaults(launch_run=_convert, prog=convert.prog)
 
     check = commands.add_parser(
         "check",
@@ -76,7 +76,7 @@ def add_hostfile_arguments(subparser: argparse.ArgumentParser) -> None:
         default="mpirun",
         help="the tool that will read FILE (default mpirun)",
     )
-    check.set_defaults(launch_run=_check, launch_prog=check.prog)
+    check.set_defaults(launch_run=_check, prog=check.prog)
 
 
 def run_hostfile_command(args: argparse.Namespace) -> int:
@@ -94,7 +94,13 @@ def add_slurm_arguments(subparser: argparse.ArgumentParser) -> None:
         "`ringtrain train`.",
     )
     parser.add_argument("--strategy", required=True, choices=STRATEGIES)
-    parser.add_argument("--nodes", required=True, type=int, metavar="N")
+    parser.add_argument(
+        "--nodes",
+        required=True,
+        type=node_range,
+        metavar="N|MIN-MAX",
+        help="a range lets a requeued job start on the nodes that are left",
+    )
     parser.add_argument("--ntasks-per-node", required=True, type=int, metavar="K")
     parser.add_argument(
         "--time", required=True, metavar="HH:MM:SS", help="or MM, MM:SS, D-HH, D-HH:MM, D-HH:MM:SS"
@@ -108,7 +114,7 @@ def add_slurm_arguments(subparser: argparse.ArgumentParser) -> None:
         metavar="-- TRAIN_ARGS",
         help="default arguments of `ringtrain train` in the script",
     )
-    parser.set_defaults(launch_run=_render, launch_prog=parser.prog)
+    parser.set_defaults(launch_run=_render, prog=parser.prog)
 
 
 def run_slurm_command(args: argparse.Namespace) -> int:
@@ -119,9 +125,10 @@ def run_slurm_command(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     try:
         return args.launch_run(args)
-    except (ValueError, OSError) as problem:
-        report(args.launch_prog, str(problem))
-        return EXIT_USAGE
+    except OSError as problem:
+        raise UserError(f"{problem.filename}: {problem.strerror}") from None
+    except ValueError as problem:  # the parsers say what is wrong
+        raise UserError(str(problem)) from None
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -145,9 +152,10 @@ def _given_or_env(value: str | None, variable: str, option: str) -> str:
 
 def _check(args: argparse.Namespace) -> int:
     hosts, problems = parse_hostfile(Path(args.file).read_text(), args.for_tool)
+    problems += unresolved_hosts([host for host, _ in hosts])  # a launcher cannot reach these
     if problems:
         print("\n".join(problems))
-        return EXIT_PROBLEMS_FOUND
+        return EXIT_PROBLEMS  # like a linter: the check ran and found problems
     print(f"ok: {len(hosts)} hosts, {sum(slots for _, slots in hosts)} slots")
     return 0
 
@@ -161,6 +169,7 @@ def _render(args: argparse.Namespace) -> int:
         pp_size=args.pp_size,
         job_name=args.job_name,
         train_args=args.train_args,
+        network=os.environ.get("RINGTRAIN_NETWORK") or None,
     )
     if args.output is None:
         sys.stdout.write(script)

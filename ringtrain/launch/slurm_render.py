@@ -9,10 +9,13 @@ can become code in the script.
 
 from __future__ import annotations
 
+import argparse
 import re
 import shlex
 from collections.abc import Sequence
 from pathlib import Path
+
+from ringtrain.launch.network import ENV_VAR, configured_network
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE_DIR = REPO_ROOT / "slurm"
@@ -43,23 +46,42 @@ def template_path(strategy: str, nodes: int) -> Path:
     return TEMPLATE_DIR / f"{strategy}.sbatch"
 
 
+def node_range(text: str) -> tuple[int, int]:
+    """`N` or `MIN-MAX` (sbatch's --nodes): a range lets Slurm start a requeued job on the
+    nodes that are left."""
+    low, _, high = text.partition("-")
+    if not (low.isdigit() and (high or low).isdigit()) or not 1 <= int(low) <= int(high or low):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected N or MIN-MAX, with 1 <= MIN <= MAX")
+    return int(low), int(high or low)
+
+
 def render(
     strategy: str,
-    nodes: int,
+    nodes: int | tuple[int, int],
     ntasks_per_node: int,
     time: str,
     pp_size: int | None = None,
     job_name: str | None = None,
     train_args: Sequence[str] = (),
+    network: str | None = None,
 ) -> str:
-    """The batch script for these settings; a bad value raises ValueError with one line."""
-    template = template_path(strategy, nodes)
-    _check_layout(strategy, nodes, ntasks_per_node, pp_size)
+    """The batch script for these settings; a bad value raises ValueError with one line.
+    `network` (RINGTRAIN_NETWORK at render time) becomes the script's default for it.
+    `nodes` may be a (MIN, MAX) range; every count in it must give a valid layout."""
+    low, high = (nodes, nodes) if isinstance(nodes, int) else nodes
+    template = template_path(strategy, high)
+    if strategy == "pipeline" and low != high:
+        raise ValueError(
+            f"--nodes {low}-{high}: a pipeline's stage count follows its task count, and a "
+            "checkpoint resumes only with the same stages; give one node count, or use hybrid"
+        )
+    for count in range(low, high + 1):
+        _check_layout(strategy, count, ntasks_per_node, pp_size)
     time_limit_seconds(time)
     if job_name is not None and not _JOB_NAME.fullmatch(job_name):
         raise ValueError(f"job name {job_name!r} must be 1-64 letters, digits, '.', '_' or '-'")
     values = {
-        "#SBATCH --nodes=": str(nodes),
+        "#SBATCH --nodes=": str(low) if low == high else f"{low}-{high}",
         "#SBATCH --ntasks-per-node=": str(ntasks_per_node),
         "#SBATCH --time=": time,
         "RINGTRAIN_HOME=${RINGTRAIN_HOME:-": shlex.quote(str(REPO_ROOT)) + "}",
@@ -72,6 +94,8 @@ def render(
     script = template.read_text()
     for prefix, value in values.items():
         script = _replace_value(script, prefix, value, template.name)
+    if network is not None:
+        script = _with_network_default(script, network, template.name)
     return script
 
 
@@ -84,6 +108,18 @@ def _replace_value(script: str, prefix: str, value: str, template_name: str) -> 
         raise ValueError(
             f"template {template_name} has {count} lines starting {prefix!r}, expected one"
         )
+    return script
+
+
+def _with_network_default(script: str, network: str, template_name: str) -> str:
+    """Export RINGTRAIN_NETWORK (the submitter's environment still wins) before the line that
+    sources common.sh, which applies it; its value is a checked CIDR, so it cannot be code."""
+    cidr = configured_network({ENV_VAR: network})
+    line = f"export {ENV_VAR}=${{{ENV_VAR}:-{cidr}}}"
+    source = re.compile(r'^source "\$RINGTRAIN_HOME/slurm/common\.sh".*$', re.MULTILINE)
+    script, count = source.subn(lambda found: f"{line}\n{found.group(0)}", script)
+    if count != 1:
+        raise ValueError(f"template {template_name} sources slurm/common.sh {count} times")
     return script
 
 

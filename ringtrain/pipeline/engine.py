@@ -1,7 +1,7 @@
 """The pipeline executor: interprets any lowered schedule for this rank's stage.
 
 One method per action op (a dispatch table), so a new schedule is a new generator in
-schedule.py, never a new loop here. Used by `model` (one microbatch), `pipeline` and `hybrid`
+generators.py, never a new loop here. Used by `model` (one microbatch), `pipeline` and `hybrid`
 (stage gradients then averaged over the stage's replicas with Horovod process sets).
 """
 
@@ -51,8 +51,11 @@ class PipelineEngine(Checkpointable):
             cfg.comm_timeout,
             cfg.sync_sends,
             name=lambda s: self._who(self.grid.pipeline_ranks(self.replica)[s]),
+            min_rate=cfg.min_link_rate,
         )
-        self.world_link = Link(world.comm, cfg.comm_timeout, name=self._who)
+        self.world_link = Link(
+            world.comm, cfg.comm_timeout, name=self._who, min_rate=cfg.min_link_rate
+        )
         self.stage_set = world.process_sets[self.stage] if world.process_sets else None
         if cfg.strategy == "hybrid":
             log.info(self.grid.describe())
@@ -78,12 +81,17 @@ class PipelineEngine(Checkpointable):
         self.dispatch = {
             "F": self._forward,
             "B": self._backward,
+            "BI": self._backward_input,
+            "BW": self._backward_weight,
             "SEND_ACT": self._send_act,
             "RECV_ACT": self._recv_act,
             "SEND_GRAD": self._send_grad,
             "RECV_GRAD": self._recv_grad,
+            "REDUCE": self._reduce,
+            "STEP": self._step_optimizer,
         }
         self.trace, self.step_index, self.peak_inflight = Trace(), 0, 0
+        self.epoch_start = 0  # step_index where the epoch epoch_scalars() will report began
         # Graphs, not eager ops: per-op Python overhead would dwarf a microbatch's compute.
         self._compiled_output = tf.function(self._stage_output)
         self._compiled_gradients = tf.function(self._stage_gradients)
@@ -129,18 +137,23 @@ class PipelineEngine(Checkpointable):
         ]
         self.grads = [tf.zeros_like(v) for v in self.variables]
         self.loss, self.inflight, self.received, self.input_grads = 0.0, {}, {}, {}
+        self.output_grads = {}  # split backwards: BI's output gradient, kept for BW
         for action in self.actions:
             start = time.time()
             self.dispatch[action.op](action.mb)
             self.trace.record(self.step_index, action.code, action.mb, start)
-        self.link.flush()
-        grads = self._average_over_replicas(self.grads)
-        grads = self._clip(grads)
-        start = time.time()
-        self.optimizer.apply_gradients(zip(grads, self.variables, strict=True))
-        self.trace.record(self.step_index, "UPDATE", -1, start)
         self.step_index += 1
         return self._loss_to_rank0()
+
+    def _reduce(self, _mb: None) -> None:
+        """REDUCE: once this stage's messages are out, average its gradients over replicas."""
+        self.link.flush()
+        self.grads = self._average_over_replicas(self.grads)
+
+    def _step_optimizer(self, _mb: None) -> None:
+        """STEP: clip by the norm over all stages, then apply."""
+        grads = self._clip(self.grads)
+        self.optimizer.apply_gradients(zip(grads, self.variables, strict=True))
 
     def _average_over_replicas(self, grads: list) -> list:
         if self.stage_set is None or self.replicas == 1:
@@ -185,13 +198,18 @@ class PipelineEngine(Checkpointable):
         out = forward(self.elements, x)
         return loss_fn(y, out) / self.cfg.microbatches if self.last_stage else out
 
-    def _stage_gradients(self, x: tf.Tensor, y: tf.Tensor, upstream: tf.Tensor) -> list:
+    def _stage_gradients(
+        self, x: tf.Tensor, y: tf.Tensor, upstream: tf.Tensor, weights=True, inputs=True
+    ) -> list:
         """Recomputes the forward under a tape (the inputs were kept, not the tape), then the
-        weight gradients and, except on stage 0, the input gradient to send upstream."""
+        weight gradients and, except on stage 0, the input gradient to send upstream: both for
+        a full backward (B), only one for each half of a split one (BI, BW)."""
         with tf.GradientTape() as tape:
             tape.watch(x)
             out = self._stage_output(x, y)
-        sources = self.variables + ([] if self.first_stage else [x])
+        sources = (self.variables if weights else []) + (
+            [x] if inputs and not self.first_stage else []
+        )
         return tape.gradient(out, sources, output_gradients=None if self.last_stage else upstream)
 
     def _forward(self, mb: int) -> None:
@@ -207,9 +225,26 @@ class PipelineEngine(Checkpointable):
     def _backward(self, mb: int) -> None:
         x, y, _ = self.inflight.pop(mb)
         grads = self._compiled_gradients(x, y, tf.constant(self.grad_in))
-        self.grads = [a + g for a, g in zip(self.grads, grads[: len(self.variables)], strict=True)]
+        self._accumulate(grads[: len(self.variables)])
         if not self.first_stage:
             self.input_grads[mb] = grads[-1]
+
+    def _backward_input(self, mb: int) -> None:
+        """BI: only the input gradient, sent upstream at once. BW needs the output gradient
+        later, so it is copied: the receive buffer takes the next microbatch's."""
+        x, y, _ = self.inflight[mb]
+        self.output_grads[mb] = tf.constant(self.grad_in)
+        if not self.first_stage:
+            grads = self._compiled_gradients(x, y, self.output_grads[mb], False, True)
+            self.input_grads[mb] = grads[0]
+
+    def _backward_weight(self, mb: int) -> None:
+        """BW: the weight gradients; the microbatch's activations are released here."""
+        x, y, _ = self.inflight.pop(mb)
+        self._accumulate(self._compiled_gradients(x, y, self.output_grads.pop(mb), True, False))
+
+    def _accumulate(self, grads: list) -> None:
+        self.grads = [a + g for a, g in zip(self.grads, grads, strict=True)]
 
     def _send_act(self, mb: int) -> None:
         out = np.ascontiguousarray(self.inflight[mb][2].numpy())
@@ -293,6 +328,15 @@ class PipelineEngine(Checkpointable):
 
     def read_part(self) -> str:
         return f"stage{self.stage}"
+
+    def epoch_scalars(self) -> dict[str, float]:
+        """The bubble measured over this epoch's steps (collective: rank 0 gets the value).
+        The process's first step is left out, as in the run's figure: it includes tracing."""
+        rows = self.trace.gather(self.world.comm, since=self.epoch_start)
+        first, self.epoch_start = self.epoch_start, self.step_index
+        if rows is None:
+            return {}
+        return {"bubble_measured": measured_bubble(rows, self.stages, skip_first=first == 0)}
 
     def extra_metrics(self) -> dict:
         rows = self.trace.gather(self.world.comm)

@@ -1,71 +1,86 @@
-"""Predict a schedule's makespan, bubble and memory before running it on a cluster.
+"""Predict a schedule's makespan, bubble and activation memory before running it.
 
-Sends are buffered here (like MPI Isend): a SEND never waits, a RECV waits for its SEND.
+Unit costs, the textbook model: each rank's share of the model costs F = B = 1, so a rank
+holding V stages spends 1/V on each stage's F or B; a split backward costs BI = BW = B/2;
+messages, REDUCE and STEP are free. Under them GPipe's and 1F1B's bubble is (P-1)/(M+P-1).
+Measured figures replace them: `cost` gives seconds per action, `message_time` seconds for a
+message of n bytes, `boundary_bytes[s]` the bytes of stage s's output (its gradient is as big).
+Sends are buffered like MPI Isend: the sender never waits, the receiver waits for arrival.
+
+Activation memory: a microbatch's activations on a stage count as held from its F until its B
+ends or, split, until its BW ends. The weight-gradient half still reads the stage's input and
+the output gradient, so ringtrain's executor frees nothing at BI.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ringtrain.pipeline.schedule import Action, Schedule, build_schedule
+from ringtrain.pipeline.interpreter import Cost, Stuck, interpret
+from ringtrain.pipeline.ir import Action, Schedule, carries
 
-Cost = Callable[[int, Action], float]
 
+def unit_cost(stage_ranks: Sequence[int]) -> Cost:
+    """F = B = 1 per rank's share of the model (1/V per stage), BI = BW = B/2, the rest free."""
+    per_rank = Counter(stage_ranks)
 
-def unit_cost(stage: int, action: Action) -> float:
-    """F = B = 1 and free communication: the textbook model behind (P-1)/(M+P-1)."""
-    return 1.0 if action.is_compute else 0.0
+    def cost(a: Action) -> float:
+        share = 1.0 / per_rank[stage_ranks[a.stage]]
+        return {"F": share, "B": share, "BI": share / 2, "BW": share / 2}.get(a.op, 0.0)
+
+    return cost
 
 
 @dataclass
 class SimResult:
     makespan: float
-    bubble: float  # idle fraction of all stage-time: 1 - sum(busy) / (P * makespan)
-    busy: list[float]  # compute time per stage
-    peak_inflight: list[int]  # max (#F done - #B done) per stage: activations held at once
-    timeline: list[list[tuple[str, float, float]]]  # per stage (label, start, end), compute only
+    bubble: float  # idle fraction of all rank-time: 1 - sum(busy) / (ranks * makespan)
+    busy: list[float]  # computing time per rank (F, B, BI, BW)
+    peak_inflight: list[int]  # per stage: most microbatches between F and B (or BW) at once
+    timeline: list[list[tuple[str, float, float]]]  # per rank (action, start, end), computations
 
 
-def simulate(schedule: Schedule, cost: Cost | None = None) -> SimResult:
-    """Replay every stage's list in time; a comm action's cost is time spent on its stage."""
-    cost = cost or unit_cost
-    P, acts = schedule.stages, schedule.actions
-    clock, pc = [0.0] * P, [0] * P
-    busy, inflight, peak = [0.0] * P, [0] * P, [0] * P
-    timeline: list[list[tuple[str, float, float]]] = [[] for _ in range(P)]
-    sent: dict[tuple[int, int, Action], float] = {}  # (from, to, matching RECV) -> send time
-    progress = True
-    while progress:
-        progress = False
-        for s in range(P):
-            while pc[s] < len(acts[s]):
-                a = acts[s][pc[s]]
-                start = clock[s]
-                if a.op.startswith("RECV"):
-                    src = s - 1 if a.op == "RECV_ACT" else s + 1
-                    if (src, s, a) not in sent:
-                        break
-                    start = max(start, sent.pop((src, s, a)))
-                clock[s] = start + cost(s, a)
-                if a.op.startswith("SEND"):
-                    dst = s + 1 if a.op == "SEND_ACT" else s - 1
-                    sent[(s, dst, Action(a.op.replace("SEND", "RECV"), a.mb))] = clock[s]
-                if a.is_compute:
-                    busy[s] += clock[s] - start
-                    timeline[s].append((str(a), start, clock[s]))
-                    inflight[s] += 1 if a.op == "F" else -1
-                    peak[s] = max(peak[s], inflight[s])
-                pc[s] += 1
-                progress = True
-    stuck = [f"stage {s} at {acts[s][pc[s]]}" for s in range(P) if pc[s] < len(acts[s])]
-    if stuck:
-        raise ValueError(f"receive without a send: {', '.join(stuck)}")
-    makespan = max(clock)
-    bubble = 1.0 - sum(busy) / (P * makespan) if makespan > 0 else 0.0
-    return SimResult(makespan, bubble, busy, peak, timeline)
+def simulate(
+    schedule: Schedule,
+    cost: Cost | None = None,
+    message_time: Callable[[int], float] | None = None,
+    boundary_bytes: Sequence[int] | None = None,
+) -> SimResult:
+    """Replay every rank's list in time with buffered sends; unit costs unless told otherwise."""
+    cost = cost or unit_cost(schedule.stage_ranks)
+
+    def transfer(send: Action) -> float:
+        if message_time is None:
+            return 0.0
+        tensor = carries(send)
+        boundary = min(tensor.stage, tensor.consumer)
+        return message_time(boundary_bytes[boundary] if boundary_bytes else 0)
+
+    try:
+        run = interpret(
+            schedule.stage_ranks, schedule.actions, cost, blocking=False, transfer=transfer
+        )
+    except Stuck as stuck:
+        raise ValueError(f"receive without a send: {stuck}") from None
+    timeline = [
+        [(str(a), start, end) for a, (start, end) in zip(row, times, strict=True) if a.is_compute]
+        for row, times in zip(run.actions, run.times, strict=True)
+    ]
+    busy = [sum(end - start for _, start, end in row) for row in timeline]
+    makespan = max((end for times in run.times for _, end in times), default=0.0)
+    bubble = 1.0 - sum(busy) / (schedule.ranks * makespan) if makespan > 0 else 0.0
+    return SimResult(makespan, bubble, busy, _peak_inflight(schedule), timeline)
 
 
-def predicted_bubble(kind: str, stages: int, microbatches: int) -> float:
-    """Unit-cost bubble of a generated schedule: (P-1)/(M+P-1) for GPipe and 1F1B."""
-    return simulate(build_schedule(kind, stages, microbatches)).bubble
+def _peak_inflight(schedule: Schedule) -> list[int]:
+    held, peak = [0] * schedule.stages, [0] * schedule.stages
+    for row in schedule.actions:
+        for a in row:
+            if a.op == "F":
+                held[a.stage] += 1
+                peak[a.stage] = max(peak[a.stage], held[a.stage])
+            elif a.op in ("B", "BW"):
+                held[a.stage] -= 1
+    return peak

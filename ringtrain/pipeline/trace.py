@@ -11,8 +11,9 @@ from statistics import median
 
 import numpy as np
 
-COMPUTE = ("F", "B")
-OPS = ("F", "B", "SA", "RA", "SG", "RG", "ALLREDUCE", "UPDATE")
+COMPUTE = ("F", "B", "BI", "BW")
+# Every action's code (schedule IR), and ALLREDUCE: the replica average inside a REDUCE.
+OPS = ("F", "B", "BI", "BW", "SA", "RA", "SG", "RG", "REDUCE", "STEP", "ALLREDUCE")
 
 
 class Trace:
@@ -21,12 +22,15 @@ class Trace:
     def __init__(self):
         self.rows: list[tuple[int, int, int, float, float]] = []
 
-    def record(self, step: int, op: str, mb: int, start: float) -> None:
-        self.rows.append((step, OPS.index(op), mb, start, time.time()))
+    def record(self, step: int, op: str, mb: int | None, start: float) -> None:
+        """`mb` is None for per-stage actions (REDUCE, STEP, ALLREDUCE), stored as -1."""
+        self.rows.append((step, OPS.index(op), -1 if mb is None else mb, start, time.time()))
 
-    def gather(self, comm) -> np.ndarray | None:
-        """All ranks' rows on rank 0 as an (N, 6) array with the rank appended; None elsewhere."""
-        mine = np.array(self.rows, dtype=np.float64).reshape(-1, 5)
+    def gather(self, comm, since: int = 0) -> np.ndarray | None:
+        """All ranks' rows from step `since` on, on rank 0 as an (N, 6) array with the rank
+        appended; None elsewhere."""
+        kept = [row for row in self.rows if row[0] >= since] if since else self.rows
+        mine = np.array(kept, dtype=np.float64).reshape(-1, 5)
         counts = _gather_counts(comm, len(mine))
         if comm.Get_rank() != 0:
             comm.Gatherv(mine, None, root=0)

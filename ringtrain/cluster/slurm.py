@@ -1,10 +1,22 @@
-"""A real single-node Slurm (Debian's munged, slurmctld and slurmd) under a temporary folder.
+"""A real Slurm (Debian's munged, slurmctld and slurmd) under one folder, for tests and
+`ringtrain cluster up --slurm`.
 
 The templates in slurm/ are only proven by running them under the scheduler they are written
 for: sbatch copies the script, sets the SLURM_* variables, delivers --signal and requeues.
-This starts the daemons for a test session, gives client commands (sbatch, srun, scontrol)
-an environment that points at them, and stops everything it started by PID, even when a
-test failed. The recipe it follows is /work/shared/SLURM.md.
+This starts the daemons, gives client commands (sbatch, srun, scontrol) an environment that
+points at them, and stops everything it started by PID, even after a failed start.
+
+Two shapes, one harness:
+- one node, `localhost` (the test suite's single-node Slurm): CPUs=8 whatever the core count,
+  which `SlurmdParameters=config_overrides` allows, so 4-task jobs run on 2 cores;
+- several nodes of a rehearsal cluster: one slurmd per node, each started inside its node's
+  namespaces (`nsenter --net`, not `ip netns exec`, which remounts /sys and hides
+  /sys/fs/cgroup from slurmd), pinned to the node's cores, with the node's real CPU count.
+  The controller then runs on the launching host under the name `hostname` prints (any other
+  name and slurmctld says "This host not a valid controller"), at its bridge address.
+
+No systemd and no cgroups: `ProctrackType=proctrack/linuxproc`, `TaskPlugin=task/none`.
+Every daemon forks into the background itself and writes a PID file.
 """
 
 from __future__ import annotations
@@ -13,7 +25,6 @@ import contextlib
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -24,7 +35,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-NODE = "localhost"
+from ringtrain.cluster.system import alive, end_processes, pid_from_file, pids_with_environment
+
+LOCAL_NODE = "localhost"
 # Job states after which the job never runs again; COMPLETING is a flag on top of one of these.
 FINAL_STATES = frozenset(
     {
@@ -39,7 +52,6 @@ FINAL_STATES = frozenset(
         "TIMEOUT",
     }
 )
-DAEMONS = ("slurmd", "slurmctld", "munged")  # stop order: the node, the controller, then auth
 # Seconds before a requeued job may start again: Slurm 22.05 holds it for the step credential's
 # lifetime plus one (AuthInfo cred_expire, default 120, minimum 5), so the slurmd has purged the
 # old credential before the new launch. 5 keeps a preemption test's restart to about 6 s.
@@ -60,6 +72,29 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("", 0))
         return probe.getsockname()[1]
+
+
+# Slurm writes a TaskProlog's `print ...` lines to the task's own output, on its node.
+# The batch script is not a rank: only the tasks of numbered steps announce themselves.
+TASK_PROLOG = """#!/bin/sh
+case "$SLURM_STEP_ID" in
+  [0-9]*) echo "print slurm task $SLURM_PROCID of step $SLURM_STEP_ID on $(hostname)" ;;
+esac
+"""
+
+
+@dataclass(frozen=True)
+class SlurmNode:
+    """One slurmd: its NodeName, NodeAddr and CPUs, and the command prefix that starts a
+    process on that node (empty: on this host)."""
+
+    name: str
+    address: str
+    cpus: int
+    enter: tuple[str, ...] = ()
+
+
+LOCAL = SlurmNode(LOCAL_NODE, "127.0.0.1", 8)
 
 
 @dataclass(frozen=True)
@@ -174,17 +209,27 @@ class Submission:
 
 
 class SlurmCluster:
-    """One slurmctld, one slurmd (node `localhost`, CPUs=8 on any core count) and a munged.
+    """One slurmctld, one slurmd per node and a munged, all under `root`.
 
     Use it as a context manager, or call start() and stop() yourself; stop() is safe to call
-    after a failed or partial start.
+    after a failed or partial start, and from another process (it reads the PID files).
     """
 
-    def __init__(self, base_env: Mapping[str, str], root: Path | None = None) -> None:
+    def __init__(
+        self,
+        base_env: Mapping[str, str],
+        root: Path | None = None,
+        nodes: Sequence[SlurmNode] = (LOCAL,),
+        controller: tuple[str, str] | None = None,
+    ) -> None:
         # A short root: slurmd and PMIx put UNIX sockets under it, and their paths must stay
         # below 108 bytes; pytest's tmp_path is long. /tmp is a+x all the way, as munged wants.
         self.root = Path(root or tempfile.mkdtemp(prefix="rt-slurm-"))
         self.conf = self.root / "etc" / "slurm.conf"
+        self.task_prolog = self.root / "etc" / "task_prolog.sh"
+        self.nodes = tuple(nodes)
+        # (name, address) of the controller; a single local node talks to it over localhost.
+        self.controller = controller
         self.ctld_port = free_port()
         self.slurmd_port = free_port()
         while self.slurmd_port == self.ctld_port:
@@ -216,11 +261,16 @@ class SlurmCluster:
         """Write the configuration, start the three daemons, and wait until the node is idle."""
         for sub in ("etc", "state", "spool", "log", "run", "munge", "tmp"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
+        for node in self.nodes:  # %n in slurm.conf: every slurmd has its own
+            for sub in ("spool", "tmp"):
+                (self.root / sub / node.name).mkdir(exist_ok=True)
         self.root.chmod(0o755)
         (self.root / "munge").chmod(0o755)
         key = self.root / "munge" / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
+        self.task_prolog.write_text(TASK_PROLOG)
+        self.task_prolog.chmod(0o755)
         self.conf.write_text(self.slurm_conf())
         munge = self.root / "munge"
         self._start_daemon(
@@ -238,18 +288,36 @@ class SlurmCluster:
         self._start_daemon(
             "slurmctld", ["slurmctld", "-f", str(self.conf)], self.root / "run" / "slurmctld.pid"
         )
-        self._start_daemon(
-            "slurmd", ["slurmd", "-f", str(self.conf), "-N", NODE], self.root / "run" / "slurmd.pid"
-        )
+        for node in self.nodes:
+            self._start_daemon(
+                f"slurmd-{node.name}",
+                [*node.enter, "slurmd", "-f", str(self.conf), "-N", node.name],
+                self._slurmd_pid_file(node),
+            )
         deadline = time.monotonic() + timeout
-        state = ""
+        states: dict[str, str] = {}
         while time.monotonic() < deadline:
-            sinfo = self.client(["sinfo", "-h", "-N", "-n", NODE, "-o", "%t"], check=False)
-            state = sinfo.stdout.strip() or sinfo.stderr.strip()
-            if state == "idle":
+            states = self.node_states()
+            if len(states) == len(self.nodes) and set(states.values()) == {"idle"}:
                 return
             time.sleep(0.2)
-        raise SlurmError(f"node not idle after {timeout} s (sinfo: {state!r})\n{self.logs()}")
+        raise SlurmError(f"nodes not idle after {timeout} s (sinfo: {states})\n{self.logs()}")
+
+    def node_states(self) -> dict[str, str]:
+        """Each node's state as `sinfo` abbreviates it (idle, alloc, down*, ...)."""
+        sinfo = self.client(["sinfo", "-h", "-N", "-o", "%N %t"], check=False, timeout=10)
+        pairs = (line.split() for line in sinfo.stdout.splitlines())
+        return {pair[0]: pair[1] for pair in pairs if len(pair) == 2}
+
+    def _slurmd_pid_file(self, node: SlurmNode) -> Path:
+        return self.root / "run" / f"slurmd-{node.name}.pid"
+
+    def _pid_files(self) -> dict[str, Path]:
+        """Every daemon's PID file, slurmds first: the order to stop them in."""
+        files = {f"slurmd-{n.name}": self._slurmd_pid_file(n) for n in self.nodes}
+        files["slurmctld"] = self.root / "run" / "slurmctld.pid"
+        files["munged"] = self.root / "munge" / "munged.pid"
+        return files
 
     def stop(self, timeout: float = 30) -> None:
         """Cancel every job, wait for the queue to drain, then end the daemons by PID.
@@ -257,28 +325,24 @@ class SlurmCluster:
         Killing slurmd does not end running steps, so the jobs go first; whatever still carries
         this cluster's SLURM_CONF afterwards (a stuck step, a rank) is killed by PID too.
         """
+        for name, pid_file in self._pid_files().items():  # started by another process
+            pid = pid_from_file(pid_file, must_mention=str(self.root))
+            if name not in self.pids and pid is not None:
+                self.pids[name] = pid
         # A controller that does not answer: its jobs die with the PID sweep below.
-        with contextlib.suppress(subprocess.TimeoutExpired):
+        with contextlib.suppress(subprocess.TimeoutExpired, OSError):
             if self.pids.get("slurmctld"):
                 self._drain(timeout)
-        for name in DAEMONS:
-            pid = self.pids.get(name)
-            if pid:
-                _signal(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(_alive(p) for p in self.pids.values()):
-            time.sleep(0.1)
-        for pid in self.pids.values():
-            if _alive(pid):
-                _signal(pid, signal.SIGKILL)
-        for pid in self._leftover_pids():
-            _signal(pid, signal.SIGKILL)
+        # The slurmds, the controller, then munge; a daemon that ignores TERM gets KILL.
+        end_processes([self.pids[n] for n in self._pid_files() if n in self.pids], grace=10)
+        # Processes started by this cluster carry its SLURM_CONF (a stuck step, a rank).
+        end_processes(pids_with_environment(f"SLURM_CONF={self.conf}"), grace=0)
         self.pids.clear()
 
     def _drain(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if not _alive(self.pids["slurmctld"]):
+            if not alive(self.pids["slurmctld"]):
                 return  # nobody to ask; the PID sweep in stop() ends what is left
             queue = self.client(["squeue", "-h", "-o", "%i"], check=False, timeout=10)
             jobs = queue.stdout.split()
@@ -287,21 +351,6 @@ class SlurmCluster:
             if jobs:
                 self.client(["scancel", "--full", *jobs], check=False, timeout=10)
             time.sleep(0.5)
-
-    def _leftover_pids(self) -> list[int]:
-        """Processes started by this cluster: they carry its SLURM_CONF in their environment."""
-        marker = f"SLURM_CONF={self.conf}".encode()
-        found = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit() or int(entry.name) == os.getpid():
-                continue
-            try:
-                environ = (entry / "environ").read_bytes()
-            except OSError:
-                continue
-            if marker in environ.split(b"\0"):
-                found.append(int(entry.name))
-        return found
 
     def _start_daemon(self, name: str, argv: list[str], pid_file: Path) -> None:
         """Every daemon forks into the background by itself; its PID comes from its PID file."""
@@ -324,14 +373,32 @@ class SlurmCluster:
     # --- configuration -----------------------------------------------------------------------
 
     def slurm_conf(self) -> str:
-        """The whole slurm.conf; see /work/shared/SLURM.md for why each key is there."""
+        """The whole slurm.conf.
+
+        - EnforcePartLimits=ALL: an impossible request (more tasks per node than CPUs) fails
+          at submission; without it the job pends forever and `sbatch --wait` hangs.
+        - MinJobAge below 6: `sbatch --wait` misses a short job's record from 6 on.
+        - TaskProlog: every task of a step says where it runs, first thing in the job's
+          output (`slurm task R of step S on HOST`), so placement is visible.
+        - %n in the slurmd paths and TmpFS: the nodes share the filesystem, and without a
+          TmpFS per node PMIx on the second node fails with `Cannot create directory
+          "/tmp/spmix_appdir_0_1.0": File exists`.
+        """
         t = self.root
         # Jobs of concurrent test sessions must not share /tmp/spmix_appdir_<uid>_<job>.<step>
         # (PMIx puts it under TmpFS) nor Open MPI session names, so job ids start at random.
         first_job_id = 1000 + int.from_bytes(os.urandom(3), "big") % 1_000_000
+        if self.controller is None:
+            controller = LOCAL_NODE
+        else:
+            controller = f"{self.controller[0]}({self.controller[1]})"
+        node_lines = "\n".join(
+            f"NodeName={n.name} NodeAddr={n.address} CPUs={n.cpus} State=UNKNOWN"
+            for n in self.nodes
+        )
         return f"""\
 ClusterName=ringtrain
-SlurmctldHost={NODE}
+SlurmctldHost={controller}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -340,12 +407,12 @@ AuthInfo=socket={t}/munge/munge.socket,cred_expire={CRED_EXPIRE}
 SlurmctldPort={self.ctld_port}
 SlurmdPort={self.slurmd_port}
 StateSaveLocation={t}/state
-SlurmdSpoolDir={t}/spool
-TmpFS={t}/tmp
+SlurmdSpoolDir={t}/spool/%n
+TmpFS={t}/tmp/%n
 SlurmctldPidFile={t}/run/slurmctld.pid
-SlurmdPidFile={t}/run/slurmd.pid
+SlurmdPidFile={t}/run/slurmd-%n.pid
 SlurmctldLogFile={t}/log/slurmctld.log
-SlurmdLogFile={t}/log/slurmd.log
+SlurmdLogFile={t}/log/slurmd-%n.log
 MailProg=/bin/true
 MpiDefault=pmix
 ProctrackType=proctrack/linuxproc
@@ -364,7 +431,8 @@ FirstJobId={first_job_id}
 KillWait={KILL_WAIT}
 InactiveLimit=0
 MinJobAge={MIN_JOB_AGE}
-NodeName={NODE} NodeAddr=127.0.0.1 CPUs=8 State=UNKNOWN
+TaskProlog={self.task_prolog}
+{node_lines}
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
 
@@ -469,17 +537,3 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
     def remove(self) -> None:
         """Delete the cluster's folder (configuration, state, logs)."""
         shutil.rmtree(self.root, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    """Running, and not a zombie: a daemon's parent is init, which may not reap at once."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[0] != "Z"
-
-
-def _signal(pid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, sig)

@@ -1,0 +1,170 @@
+"""A side channel that knows which peer went silent when a collective cannot say.
+
+A rank blocked inside a Horovod allreduce (or any collective) only sees that nothing finishes;
+it cannot tell which of its peers is missing. Every rank therefore sends a one-byte beat to
+every other rank a few times per `--comm-timeout`, on its own duplicate of COMM_WORLD, from a
+background thread (MPI_THREAD_MULTIPLE), and records when it last heard from each. When the
+watchdog fires it asks `suspect()`: the peer silent the longest, with its host, which every
+rank gathered once at start-up as fixed-size byte rows (no pickle).
+
+The launcher may end the job first (Open MPI's keepalive gives up on an unreachable node's
+daemon after about 11 s): it sends SIGTERM before SIGKILL. Python runs signal handlers only in
+the main thread, which is blocked in the collective, so the heartbeat thread watches the
+signal wakeup fd instead and, if a peer has gone quiet, names it before the process ends.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import threading
+import time
+
+import numpy as np
+
+from ringtrain.errors import report
+
+HOST_BYTES = 64  # one rank's hostname in the start-up gather
+TAG = 1  # the only tag on the heartbeat's own communicator
+
+current: Heartbeat | None = None  # the running heartbeat of this process, for error lines
+
+
+def gather_hosts(comm) -> list[str]:
+    """Every rank's hostname, by rank (one Allgather of byte rows)."""
+    mine = np.zeros(HOST_BYTES, np.uint8)
+    name = socket.gethostname().encode()[:HOST_BYTES]
+    mine[: len(name)] = np.frombuffer(name, np.uint8)
+    rows = np.empty(HOST_BYTES * comm.Get_size(), np.uint8)
+    comm.Allgather(mine, rows)
+    return [r.tobytes().rstrip(b"\0").decode() for r in rows.reshape(-1, HOST_BYTES)]
+
+
+class Heartbeat:
+    """Beats to and from every peer; `suspect()` names who has been silent longest."""
+
+    def __init__(self, comm, timeout: float):
+        self.comm = comm.Dup()  # beats never match a message of the training's communicators
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self.hosts = gather_hosts(self.comm)
+        self.interval = min(1.0, timeout / 8)
+        self.peers = [r for r in range(self.size) if r != self.rank]
+        now = time.monotonic()
+        self.heard = dict.fromkeys(self.peers, now)
+        self.active = True
+        self.signals = _signal_pipe()
+        self.thread = threading.Thread(target=self._beat, daemon=True, name="ringtrain-heartbeat")
+        self.thread.start()
+        atexit.register(self.stop)  # runs before mpi4py's MPI_Finalize (registered earlier)
+
+    def describe(self, rank: int) -> str:
+        return f"rank {rank} on {self.hosts[rank]}"
+
+    def suspect(self) -> tuple[int, float] | None:
+        """(rank, seconds since last heard) of the peer silent longest, if any is overdue."""
+        if not self.peers:
+            return None
+        now = time.monotonic()
+        rank = min(self.peers, key=lambda p: self.heard[p])
+        quiet = now - self.heard[rank]
+        return (rank, quiet) if quiet > 2 * self.interval + 0.5 else None
+
+    def stop(self) -> None:
+        if self.active:
+            self.active = False
+            self.thread.join(timeout=5)
+
+    def _beat(self) -> None:
+        """Beat until stopped. An MPI error (a peer's connection torn down) ends the beating
+        quietly: the silence it leaves is what `suspect()` reports."""
+        from mpi4py import MPI
+
+        try:
+            self._beat_until_stopped()
+        except MPI.Exception:
+            self.active = False
+
+    def _beat_until_stopped(self) -> None:
+        beat = np.ones(1, np.uint8)
+        inbox = {p: np.zeros(1, np.uint8) for p in self.peers}
+        receiving = {p: self.comm.Irecv(inbox[p], p, TAG) for p in self.peers}
+        sending: dict[int, object] = {}
+        due = 0.0
+        while self.active:
+            if time.monotonic() >= due:
+                for p in self.peers:  # never queue beats behind one that has not left yet
+                    if p not in sending or sending[p].Test():
+                        sending[p] = self.comm.Isend(beat, p, TAG)
+                due = time.monotonic() + self.interval
+            for p in self.peers:
+                while receiving[p].Test():
+                    self.heard[p] = time.monotonic()
+                    receiving[p] = self.comm.Irecv(inbox[p], p, TAG)
+            time.sleep(self.interval / 4)
+            self._on_termination()
+        for request in receiving.values():
+            request.Cancel()
+            request.Wait()
+
+    def _on_termination(self) -> None:
+        """On SIGTERM (the launcher ending the job, or a scheduler's stop request), say which
+        peer went quiet, if one did; a stop request among live peers stays silent here."""
+        if self.signals is None:
+            return
+        try:
+            received = os.read(self.signals, 64)
+        except BlockingIOError:
+            return
+        found = self.suspect()
+        if signal.SIGTERM in received and found:
+            rank, quiet = found
+            message = (
+                f"{self.describe(rank)} unreachable: nothing heard from it for {quiet:.0f} s; "
+                "the launcher is ending the job"
+            )
+            report("ringtrain train", message, self.rank)
+
+
+def _signal_pipe() -> int | None:
+    """The read end of a pipe Python's C-level signal handler writes each signal number to
+    (only for signals with a Python handler, such as the stop signals); None off the main
+    thread or when something else already owns the wakeup fd."""
+    read, write = os.pipe()
+    os.set_blocking(read, False)
+    os.set_blocking(write, False)
+    try:
+        theirs = signal.set_wakeup_fd(write)
+        if theirs == -1:
+            return read
+        signal.set_wakeup_fd(theirs)
+    except ValueError:
+        pass
+    os.close(read)
+    os.close(write)
+    return None
+
+
+def start(comm, timeout: float) -> Heartbeat:
+    """Gather the hosts (a collective) and start beating; the result is also `current`."""
+    global current
+    if current is not None:  # a second train() in the same process
+        current.stop()
+    current = Heartbeat(comm, timeout)
+    return current
+
+
+def blame(waited: str, what: str) -> str | None:
+    """The line naming the silent peer, e.g. `rank 1 on node2 unreachable: no progress for
+    20 s during step 5, nothing heard from it for 21 s`, or None when every peer is heard."""
+    if current is None:
+        return None
+    found = current.suspect()
+    if found is None:
+        return None
+    rank, quiet = found
+    return (
+        f"{current.describe(rank)} unreachable: no progress for {waited} during {what}, "
+        f"nothing heard from it for {quiet:.0f} s"
+    )

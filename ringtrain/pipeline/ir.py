@@ -1,0 +1,222 @@
+"""The schedule IR: actions `(stage, computation, microbatch)` in per-rank lists, and their JSON.
+
+Compact text, as PyTorch prints its actions: `1F0` is stage 1's forward of microbatch 0, `1B0`
+its full backward, `1BI0`/`1BW0` the input- and weight-gradient halves of that backward;
+`0SA0`/`1RA0` send and receive an activation, `1SG0`/`0RG0` a gradient; `0REDUCE` averages
+stage 0's gradients over its replicas and `0STEP` applies them. A stage→rank map places the
+stages (stage s on rank s mod P for Megatron interleaving), so peers are ranks looked up there.
+This module is the one place that knows the stages form a chain (stage s feeds stage s + 1).
+Imports neither TensorFlow nor MPI.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+CODES = {
+    "F": "F",
+    "B": "B",
+    "BI": "BI",
+    "BW": "BW",
+    "SEND_ACT": "SA",
+    "RECV_ACT": "RA",
+    "SEND_GRAD": "SG",
+    "RECV_GRAD": "RG",
+    "REDUCE": "REDUCE",
+    "STEP": "STEP",
+}
+COMPUTE = ("F", "B", "BI", "BW")
+MESSAGES = ("SEND_ACT", "RECV_ACT", "SEND_GRAD", "RECV_GRAD")
+PER_STAGE = ("REDUCE", "STEP")  # once per stage and step, no microbatch
+_OPS = {code: op for op, code in CODES.items()}
+_ACTION_RE = re.compile(r"^(\d+)(REDUCE|STEP|BI|BW|SA|RA|SG|RG|F|B)(\d*)$")
+EXAMPLES = "e.g. 0F3, 1B3, 1BI3, 1BW3, 0SA3, 1RA3, 1SG3, 0RG3, 0REDUCE, 0STEP"
+
+
+class Action(NamedTuple):
+    """One thing one stage does: a computation or message of microbatch `mb`, or REDUCE/STEP.
+
+    A named tuple rather than a dataclass: validation and simulation hash millions of them.
+    """
+
+    stage: int
+    op: str
+    mb: int | None = None
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.code}{'' if self.mb is None else self.mb}"
+
+    @property
+    def code(self) -> str:
+        """The op's short name (F, B, BI, BW, SA, RA, SG, RG, REDUCE, STEP), as traces label it."""
+        return CODES[self.op]
+
+    @property
+    def is_compute(self) -> bool:
+        return self.op in COMPUTE
+
+    @property
+    def is_message(self) -> bool:
+        return self.op in MESSAGES
+
+
+def parse_action(text: str) -> Action:
+    """Inverse of `str(action)`, so schedules round-trip through JSON and traces."""
+    match = _ACTION_RE.match(text.strip()) if isinstance(text, str) else None
+    if match is None:
+        raise ValueError(f"not an action: {text!r} (expected {EXAMPLES})")
+    stage, op, mb = int(match.group(1)), _OPS[match.group(2)], match.group(3)
+    if (op in PER_STAGE) != (mb == ""):
+        raise ValueError(f"not an action: {text!r} (only REDUCE and STEP have no microbatch)")
+    return Action(stage, op, int(mb) if mb else None)
+
+
+class Tensor(NamedTuple):
+    """A value that crosses stages: stage `stage`'s activation output ("ACT") of microbatch
+    `mb`, or the gradient ("GRAD") its backward computes for its input."""
+
+    kind: str
+    stage: int
+    mb: int
+
+    @property
+    def consumer(self) -> int:
+        """The stage that needs it: activations flow down the chain, gradients up."""
+        return self.stage + 1 if self.kind == "ACT" else self.stage - 1
+
+    def makers(self) -> list[Action]:
+        """The computations of its stage that produce it (either half-way or full backward)."""
+        ops = ("F",) if self.kind == "ACT" else ("B", "BI")
+        return [Action(self.stage, op, self.mb) for op in ops]
+
+    def send(self) -> Action:
+        return Action(self.stage, f"SEND_{self.kind}", self.mb)
+
+    def recv(self) -> Action:
+        return Action(self.consumer, f"RECV_{self.kind}", self.mb)
+
+
+def produces(a: Action, stages: int) -> Tensor | None:
+    """What compute `a` hands to a neighbouring stage (nothing past either end of the chain)."""
+    if a.op == "F" and a.stage < stages - 1:
+        return Tensor("ACT", a.stage, a.mb)
+    if a.op in ("B", "BI") and a.stage > 0:
+        return Tensor("GRAD", a.stage, a.mb)
+    return None
+
+
+def consumes(a: Action, stages: int) -> Tensor | None:
+    """What compute `a` needs from a neighbouring stage before it can run."""
+    if a.op == "F" and a.stage > 0:
+        return Tensor("ACT", a.stage - 1, a.mb)
+    if a.op in ("B", "BI") and a.stage < stages - 1:
+        return Tensor("GRAD", a.stage + 1, a.mb)
+    return None
+
+
+_MOVES = {  # message op -> (tensor kind, sent by this stage?)
+    "SEND_ACT": ("ACT", True),
+    "RECV_ACT": ("ACT", False),
+    "SEND_GRAD": ("GRAD", True),
+    "RECV_GRAD": ("GRAD", False),
+}
+
+
+def carries(a: Action) -> Tensor:
+    """The tensor a send or receive action moves."""
+    kind, sent_here = _MOVES[a.op]
+    if sent_here:
+        return Tensor(kind, a.stage, a.mb)
+    return Tensor(kind, a.stage - 1 if kind == "ACT" else a.stage + 1, a.mb)
+
+
+def interleaved_ranks(ranks: int, virtual_stages: int) -> tuple[int, ...]:
+    """Megatron's placement: stage s on rank s mod P, so each rank holds V stages."""
+    return tuple(s % ranks for s in range(ranks * virtual_stages))
+
+
+@dataclass
+class Schedule:
+    """A lowered schedule: `actions[r]` is everything rank `r` does in one step, in order;
+    `stage_ranks[s]` is the rank that runs stage `s`."""
+
+    kind: str
+    microbatches: int
+    stage_ranks: tuple[int, ...]
+    actions: list[list[Action]]
+
+    @property
+    def ranks(self) -> int:
+        return len(self.actions)
+
+    @property
+    def stages(self) -> int:
+        return len(self.stage_ranks)
+
+    def stages_on(self, rank: int) -> list[int]:
+        return [s for s, r in enumerate(self.stage_ranks) if r == rank]
+
+
+_DERIVED = ("ranks", "stages")  # written for readers; checked when a file gives them
+_REPORT = ("predicted_bubble", "makespan", "peak_inflight")  # what `--json` adds; ignored
+
+
+def schedule_to_json(schedule: Schedule) -> dict[str, Any]:
+    """The file format: `actions` as compact strings, one list per rank."""
+    return {
+        "kind": schedule.kind,
+        "ranks": schedule.ranks,
+        "stages": schedule.stages,
+        "microbatches": schedule.microbatches,
+        "stage_ranks": list(schedule.stage_ranks),
+        "actions": [[str(a) for a in row] for row in schedule.actions],
+    }
+
+
+def schedule_from_json(doc: Any) -> Schedule:
+    """Parse the file format; raise ValueError naming the first bad field or action.
+
+    Required: `microbatches` and `actions`. `stage_ranks` defaults to one stage per rank.
+    """
+    if not isinstance(doc, dict):
+        raise ValueError("expected a JSON object with 'microbatches' and 'actions'")
+    known = {"kind", "microbatches", "stage_ranks", "actions", *_DERIVED, *_REPORT}
+    unknown = sorted(set(doc) - known)
+    if unknown:
+        raise ValueError(f"unknown key {unknown[0]!r} (expected {', '.join(sorted(known))})")
+    for key in ("microbatches", "actions"):
+        if key not in doc:
+            raise ValueError(f"missing key {key!r}")
+    rows, micro = doc["actions"], doc["microbatches"]
+    if not isinstance(rows, list) or not rows or not all(isinstance(r, list) for r in rows):
+        raise ValueError("'actions' must be a non-empty list of per-rank lists of strings")
+    if not _is_int(micro) or micro < 1:
+        raise ValueError(f"'microbatches' must be a positive integer, got {micro!r}")
+    stage_ranks = doc.get("stage_ranks", list(range(len(rows))))
+    if not isinstance(stage_ranks, list) or not all(_is_int(r) for r in stage_ranks):
+        raise ValueError("'stage_ranks' must be a list of rank numbers, one per stage")
+    for s, r in enumerate(stage_ranks):
+        if not 0 <= r < len(rows):
+            raise ValueError(f"'stage_ranks' puts stage {s} on rank {r}, but there are {len(rows)}")
+    actions = []
+    for r, row in enumerate(rows):
+        parsed = []
+        for i, text in enumerate(row):
+            try:
+                parsed.append(parse_action(text))
+            except ValueError as err:
+                raise ValueError(f"rank {r} action {i}: {err}") from None
+        actions.append(parsed)
+    schedule = Schedule(str(doc.get("kind", "file")), micro, tuple(stage_ranks), actions)
+    for key in _DERIVED:
+        if key in doc and doc[key] != getattr(schedule, key):
+            raise ValueError(
+                f"'{key}' says {doc[key]!r} but the lists give {getattr(schedule, key)}"
+            )
+    return schedule
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

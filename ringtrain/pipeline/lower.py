@@ -1,0 +1,67 @@
+"""Lowering: turn compute orders into complete per-rank lists with messages, REDUCE and STEP.
+
+Placing each receive right before its compute and each send right after it deadlocks 1F1B
+under blocking sends (stage 0 sends activation 1 while stage 1 sends gradient 0). `lower`
+instead records a witness run of the compute orders at unit cost (see interpreter.py): every
+send is placed where its receiver needed the tensor, so the lists cannot deadlock even with
+synchronous sends, and at unit cost sends land exactly when needed.
+
+Neighbouring stages on the same rank (interleaving with P = 1, or a user's stage map) exchange
+nothing: the tensor stays in the rank's memory, so the lists have no message for it.
+
+Then each stage gets a REDUCE (average its gradients over the replicas) right after its last
+action, usually the send of its last input gradient, so upstream stages keep computing while
+it averages; and a STEP, all of a rank's STEPs last, so a step that clips by the global norm
+sees every stage's averaged gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ringtrain.pipeline.interpreter import Stuck, interpret
+from ringtrain.pipeline.ir import Action, consumes, produces
+from ringtrain.pipeline.simulate import unit_cost
+
+
+def lower(orders: Sequence[Sequence[Action]], stage_ranks: Sequence[int]) -> list[list[Action]]:
+    """Messages by witness run, then REDUCE and STEP; ValueError if the orders cannot run."""
+    try:
+        run = interpret(stage_ranks, orders, unit_cost(stage_ranks), blocking=True, witness=True)
+    except Stuck as stuck:
+        (r, i, a), *others = stuck.waiting
+        waits = "".join(f"; rank {q} waits at action {j} ({b})" for q, j, b in others)
+        raise ValueError(
+            f"rank {r} action {i} ({a}): the compute orders wait on each other{waits}"
+        ) from None
+    return add_reduce_and_step(run.actions, stage_ranks)
+
+
+def naive_lowering(
+    orders: Sequence[Sequence[Action]], stage_ranks: Sequence[int]
+) -> list[list[Action]]:
+    """Receive right before, send right after each compute: kept to show why `lower` exists."""
+    stages, lists = len(stage_ranks), []
+    for r, order in enumerate(orders):
+        row: list[Action] = []
+        for a in order:
+            need, made = consumes(a, stages), produces(a, stages)
+            row += [need.recv()] if need and stage_ranks[need.stage] != r else []
+            row += [a] + ([made.send()] if made and stage_ranks[made.consumer] != r else [])
+        lists.append(row)
+    return add_reduce_and_step(lists, stage_ranks)
+
+
+def add_reduce_and_step(
+    lists: Sequence[Sequence[Action]], stage_ranks: Sequence[int]
+) -> list[list[Action]]:
+    """REDUCE each stage right after its last action; every STEP at the end of its rank's list."""
+    out = []
+    for r, row in enumerate(lists):
+        last = {a.stage: i for i, a in enumerate(row)}
+        lowered: list[Action] = []
+        for i, a in enumerate(row):
+            lowered += [a, Action(a.stage, "REDUCE")] if last[a.stage] == i else [a]
+        mine = [s for s, rank in enumerate(stage_ranks) if rank == r]
+        out.append(lowered + [Action(s, "STEP") for s in mine])
+    return out

@@ -1,0 +1,104 @@
+"""The independent reference: a plain TensorFlow/Keras training loop written from the README's
+contract, sharing no training code with ringtrain.
+
+Only the model's element builders and initialiser (`ModelSpec.build`) and the datasets come
+from ringtrain; the batch order, the loss, the gradient, clipping and the optimizer are written
+here from what the README promises:
+
+- the order of examples in epoch e is `np.random.default_rng([seed, e]).permutation(n)`;
+- step t takes the next `batch_size` examples of that order; the last partial batch is dropped;
+- the loss is the mean sparse categorical cross-entropy over the global batch;
+- `--clip-norm C` scales the gradients by C / max(global norm, C);
+- `--optimizer sgd|adam --lr LR` is Keras' SGD or Adam at that learning rate, all else default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from ringtrain.data import Dataset
+from ringtrain.models import BUILTIN
+from ringtrain.weights import FP16_ALLREDUCE_RTOL, UPDATE_ATOL, UPDATE_RTOL, compare_updates
+
+# Per-step losses (about 2.3 at the start) must agree to float rounding. Under
+# --fp16-allreduce the reported loss itself is averaged in half precision (it rides in the
+# gradient allreduce), where the spacing of numbers near 2.3 is 2e-3: its own bound.
+LOSS_ATOL, FP16_LOSS_ATOL = 1e-5, 1e-2
+
+
+@dataclass
+class ReferenceRun:
+    """Weights under the --weights-out names (layerNN/...), before and after; loss per step."""
+
+    initial: dict[str, np.ndarray]
+    final: dict[str, np.ndarray]
+    losses: list[float]
+
+
+def global_batches(n_examples: int, batch_size: int, seed: int, steps: int) -> list[np.ndarray]:
+    """Example indices of each step, straight from the README's data-order contract."""
+    per_epoch = n_examples // batch_size
+    batches = []
+    for step in range(steps):
+        epoch, i = divmod(step, per_epoch)
+        order = np.random.default_rng([seed, epoch]).permutation(n_examples)
+        batches.append(order[i * batch_size : (i + 1) * batch_size])
+    return batches
+
+
+def _weights(variables) -> dict[str, np.ndarray]:
+    return {v.path: np.array(v.numpy()) for v in variables}
+
+
+def train_reference(
+    data: Dataset,
+    model: str,
+    optimizer: str,
+    lr: float,
+    batch_size: int,
+    steps: int,
+    seed: int,
+    clip_norm: float | None = None,
+) -> ReferenceRun:
+    """Train one process, one global batch per step, with a plain tape and Keras optimizer."""
+    spec = BUILTIN[model](data.input_shape, data.n_classes)
+    layers = spec.build(range(len(spec)), seed)
+    variables = [v for layer in layers for v in layer.trainable_weights]
+    initial = _weights(variables)
+    # Named, so it takes no automatic name ("sgd_1") that would shift the optimizer names, and
+    # so the Horovod tensor names, of engines later built in this process on one rank only.
+    kind = keras.optimizers.SGD if optimizer == "sgd" else keras.optimizers.Adam
+    opt = kind(learning_rate=lr, name=f"reference_{optimizer}")
+    cross_entropy = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    losses = []
+    for idx in global_batches(len(data.x), batch_size, seed, steps):
+        with tf.GradientTape() as tape:
+            out = tf.constant(data.x[idx])
+            for layer in layers:
+                out = layer(out)
+            loss = cross_entropy(tf.constant(data.y[idx]), out)
+        grads = tape.gradient(loss, variables)
+        if clip_norm is not None:
+            norm = tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(g)) for g in grads]))
+            grads = [g * (clip_norm / tf.maximum(norm, clip_norm)) for g in grads]
+        opt.apply_gradients(zip(grads, variables, strict=True))
+        losses.append(float(loss))
+    return ReferenceRun(initial, _weights(variables), losses)
+
+
+def compare_with(ref: ReferenceRun, weights: dict, losses: list[float], fp16: bool) -> dict:
+    """A run against the reference: the worst tensor's update difference and the largest loss
+    difference, each against the bound the run is held to (--fp16-allreduce: its own)."""
+    rtol, loss_atol = (FP16_ALLREDUCE_RTOL, FP16_LOSS_ATOL) if fp16 else (UPDATE_RTOL, LOSS_ATOL)
+    update = compare_updates(ref.initial, weights, ref.final, rtol, UPDATE_ATOL)
+    loss_diff = float(np.max(np.abs(np.array(losses) - np.array(ref.losses))))
+    return {
+        "update": {**vars(update), "rtol": rtol, "atol": UPDATE_ATOL},
+        "loss_diff": loss_diff,
+        "loss_atol": loss_atol,
+        "losses_passed": len(losses) == len(ref.losses) and loss_diff <= loss_atol,
+    }
