@@ -584,8 +584,14 @@ def test_finished_or_failed_step_is_not_requeued(tmp_path, exit_code):
 
 
 def test_step_runs_ringtrain_train_with_srun_pmix_and_one_pool_per_task(tmp_path):
+    """--kill-on-bad-exit: one rank's failure (a silent peer's exit 3) ends the whole step."""
     _, out = run_batch_script(tmp_path, fake_exit="0")
-    assert (out / "launcher").read_text().split()[:3] == ["srun", "--mpi=pmix", "--cpus-per-task=3"]
+    assert (out / "launcher").read_text().split()[:4] == [
+        "srun",
+        "--mpi=pmix",
+        "--kill-on-bad-exit=1",
+        "--cpus-per-task=3",
+    ]
     assert (out / "args").read_text().split() == [
         "train",
         "--strategy",
