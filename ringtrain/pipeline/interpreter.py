@@ -31,6 +31,12 @@ class Stuck(Exception):
         super().__init__(", ".join(f"rank {r} at {a}" for r, _, a in waiting))
         self.waiting = waiting
 
+    def line(self, problem: str) -> str:
+        """One line naming the first stuck action and what every other rank waits at."""
+        (r, i, a), *others = self.waiting
+        waits = "".join(f"; rank {q} waits at action {j} ({b})" for q, j, b in others)
+        return f"rank {r} action {i} ({a}): {problem}{waits}"
+
 
 @dataclass
 class Run:

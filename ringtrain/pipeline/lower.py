@@ -29,11 +29,7 @@ def lower(orders: Sequence[Sequence[Action]], stage_ranks: Sequence[int]) -> lis
     try:
         run = interpret(stage_ranks, orders, unit_cost(stage_ranks), blocking=True, witness=True)
     except Stuck as stuck:
-        (r, i, a), *others = stuck.waiting
-        waits = "".join(f"; rank {q} waits at action {j} ({b})" for q, j, b in others)
-        raise ValueError(
-            f"rank {r} action {i} ({a}): the compute orders wait on each other{waits}"
-        ) from None
+        raise ValueError(stuck.line("the compute orders wait on each other")) from None
     return add_reduce_and_step(run.actions, stage_ranks)
 
 

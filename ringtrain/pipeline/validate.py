@@ -24,11 +24,7 @@ def validate(schedule: Schedule) -> None:
             schedule.stage_ranks, schedule.actions, unit_cost(schedule.stage_ranks), blocking=True
         )
     except Stuck as stuck:
-        (r, i, a), *others = stuck.waiting
-        waits = "".join(f"; rank {q} waits at action {j} ({b})" for q, j, b in others)
-        raise ValueError(
-            f"rank {r} action {i} ({a}): deadlock under blocking sends{waits}"
-        ) from None
+        raise ValueError(stuck.line("deadlock under blocking sends")) from None
 
 
 def check_order(schedule: Schedule, lowered: bool) -> None:
