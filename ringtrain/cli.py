@@ -6,6 +6,7 @@ import argparse
 import os
 import shutil
 import sys
+import time
 
 from ringtrain.errors import (
     EXIT_CHECKPOINTED,
@@ -18,6 +19,7 @@ from ringtrain.errors import (
 )
 
 PROG = "ringtrain"
+QUIET_RANK_GRACE_S = 10  # ample for rank 0 to print its line, even on a loaded node
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -340,6 +342,10 @@ def _fail(prog: str, problem: UserError) -> int:
     me = _rank_or_none()
     if not problem.said_elsewhere:
         report(prog, str(problem), me)
+    elif me:
+        # mpirun and srun --kill-on-bad-exit end the job at the first non-zero exit; a quiet
+        # rank that left first would take rank 0's line with it. Rank 0's exit ends this wait.
+        time.sleep(QUIET_RANK_GRACE_S)
     if not problem.together and _mpi_job_running():
         from ringtrain.guard import end_job
 
