@@ -59,9 +59,9 @@ def train(spec: ModelSpec, data: Dataset, cfg: TrainConfig) -> TrainResult:
         process_sets=_hybrid_process_sets(cfg),
     )
     # From here on every collective is covered: a rank that stops answering aborts the job.
-    watchdog = Watchdog(cfg.comm_timeout, world.rank, "start-up")
+    watchdog = Watchdog(cfg.comm_timeout, world.rank, "start-up", cfg.startup_timeout)
     if world.size > 1:  # names the silent peer and its host when a collective stalls
-        heartbeat.start(world.comm, cfg.comm_timeout)
+        heartbeat.start(world.comm, cfg.comm_timeout, cfg.startup_timeout)
     log.info(
         f"ringtrain: strategy {cfg.strategy}, {world.size} rank(s), model of {len(spec)} "
         f"elements, global batch {cfg.batch_size}"

@@ -11,6 +11,8 @@ import hashlib
 import json
 import os
 import shutil
+import signal
+import socket
 import zipfile
 
 import numpy as np
@@ -174,8 +176,7 @@ class RunCheckpoints:
             return
         rows = [gathered[i : i + 96].tobytes().decode() for i in range(0, len(gathered), 96)]
         parts = {r[:32].strip(): r[32:].strip() for r in rows if r[:32].strip()}
-        if os.environ.get("RINGTRAIN_TEST_CRASH_BEFORE_MANIFEST"):
-            os._exit(9)  # fault injection for the crash-safety test: parts written, no manifest
+        _inject_fault_before_manifest(step)
         meta = {
             "epoch": epoch,
             "losses": losses,
@@ -243,3 +244,19 @@ class Checkpointable:
 
     def load_state(self, state: dict[str, np.ndarray]) -> None:
         load_training_state(self.variables, self.optimizer, state)
+
+
+def _inject_fault_before_manifest(step: int) -> None:
+    """The crash-safety tests' hook, at the point a crash must not corrupt: every part is
+    written, the manifest is not. RINGTRAIN_TEST_CRASH_BEFORE_MANIFEST=1 exits at once;
+    =freeze:HOST:STEP stops the writer (SIGSTOP) there at STEP if it runs on HOST, so a test
+    can take that node's power while the writer is mid-checkpoint."""
+    fault = os.environ.get("RINGTRAIN_TEST_CRASH_BEFORE_MANIFEST")
+    if not fault:
+        return
+    if fault.startswith("freeze:"):
+        _, host, at = fault.split(":")
+        if host == socket.gethostname() and int(at) == step:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return
+    os._exit(9)

@@ -109,6 +109,13 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds a stage may stay silent before the job is aborted",
     )
     p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=600.0,
+        help="seconds start-up and the first step (graph tracing) may take while every peer "
+        "is still heard from; a silent peer still ends the job after --comm-timeout",
+    )
+    p.add_argument(
         "--min-link-rate",
         type=float,
         default=1.0,
@@ -185,6 +192,7 @@ def config_from_args(args: argparse.Namespace):
         partition=args.partition,
         pp_size=args.pp_size,
         comm_timeout=args.comm_timeout,
+        startup_timeout=args.startup_timeout,
         min_link_rate=args.min_link_rate,
         sync_sends=args.sync_sends,
         metrics_out=args.metrics_out,

@@ -40,16 +40,19 @@ def step_traffic(engine, microbatches: int) -> int:
     return 2 * weights + microbatches * per_microbatch
 
 
+def world_rank(comm, peer: int) -> int:
+    from mpi4py import MPI
+
+    return comm.Get_group().Translate_ranks([peer], MPI.COMM_WORLD.Get_group())[0]
+
+
 def host_of(comm, peer: int) -> str | None:
     """The host of `peer` (a rank of `comm`), from the table the heartbeat gathered at start."""
     from ringtrain import heartbeat
 
     if heartbeat.current is None:
         return None
-    from mpi4py import MPI
-
-    world_rank = comm.Get_group().Translate_ranks([peer], MPI.COMM_WORLD.Get_group())[0]
-    return heartbeat.current.hosts[world_rank]
+    return heartbeat.current.hosts[world_rank(comm, peer)]
 
 
 class Link:
@@ -90,11 +93,16 @@ class Link:
         deadline = time.monotonic() + self.timeout + extra
         pause = 0.0
         while not request.Test():
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline and not self._patient(peer):
                 self.abort(self._silence(peer, what, waited(self.timeout, extra)))
             if pause:
                 time.sleep(pause)
             pause = min(0.001, pause * 2 or 0.00002)  # back off so a waiting rank frees its core
+
+    def _patient(self, peer: int | None) -> bool:
+        from ringtrain.heartbeat import patient
+
+        return patient(None if peer is None else world_rank(self.comm, peer))
 
     def _silence(self, peer: int | None, what: str, allowed: str) -> str:
         if peer is None:  # a collective: the heartbeat may know who is missing

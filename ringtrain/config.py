@@ -47,6 +47,7 @@ class TrainConfig:
     partition: str = "uniform"
     pp_size: int | None = None
     comm_timeout: float = 120.0
+    startup_timeout: float = 600.0  # living peers may take this long to trace the first step
     min_link_rate: float = 1.0  # MB/s a transfer may not fall below (comm.allowance)
     sync_sends: bool = False
     metrics_out: str | None = None
@@ -152,6 +153,8 @@ def validate_flags(cfg: TrainConfig, world_size: int, n_elements: int | None = N
         raise UserError(f"--clip-norm must be positive, got {cfg.clip_norm}")
     if not cfg.comm_timeout > 0:
         raise UserError(f"--comm-timeout must be positive, got {cfg.comm_timeout}")
+    if not cfg.startup_timeout > 0:
+        raise UserError(f"--startup-timeout must be positive, got {cfg.startup_timeout}")
     if not cfg.min_link_rate > 0:
         raise UserError(f"--min-link-rate must be positive, got {cfg.min_link_rate}")
     if cfg.loop == "fit" and cfg.strategy not in ("single", "data"):
@@ -211,6 +214,7 @@ def _check_numbers(cfg: TrainConfig) -> None:
         "--warmup-epochs": cfg.warmup_epochs,
         "--clip-norm": cfg.clip_norm,
         "--comm-timeout": cfg.comm_timeout,
+        "--startup-timeout": cfg.startup_timeout,
         "--min-link-rate": cfg.min_link_rate,
     }
     for flag, value in floats.items():

@@ -125,15 +125,21 @@ def agree(comm, wait, attempt: Callable[[], T]) -> T:
 
 
 class Watchdog:
-    """Aborts the whole job when no step boundary is reached within `timeout` seconds."""
+    """Aborts the whole job when no step boundary is reached within `timeout` seconds.
 
-    def __init__(self, timeout: float, rank: int, what: str = "the first step"):
+    Start-up (building the model, broadcasting its first state, restoring a checkpoint) has
+    `startup` seconds instead, up to the first kick: its transfers are whole models, and on a
+    slow link they hold back the heartbeat's beats too, so silence proves nothing yet.
+    """
+
+    def __init__(self, timeout: float, rank: int, what: str = "start-up", startup: float = 0.0):
         self.timeout, self.rank, self.extra = timeout, rank, 0.0
         self.last, self.what, self.active = time.monotonic(), what, True
+        self.startup = startup
         threading.Thread(target=self._watch, daemon=True, name="ringtrain-watchdog").start()
 
     def kick(self, what: str) -> None:
-        self.last, self.what = time.monotonic(), what
+        self.last, self.what, self.startup = time.monotonic(), what, 0.0
 
     def allow(self, extra: float) -> None:
         """Seconds a step may take beyond `timeout` to move its bytes (the deadline rule)."""
@@ -143,19 +149,27 @@ class Watchdog:
         self.active = False
 
     def _watch(self) -> None:
+        from ringtrain.comm import waited
+        from ringtrain.heartbeat import blame, patient  # the side channel knows who is silent
+
+        was_patient = False
         while self.active:
             time.sleep(min(1.0, self.timeout / 4))
-            if self.active and time.monotonic() - self.last > self.timeout + self.extra:
-                from ringtrain.comm import waited
-                from ringtrain.heartbeat import blame  # the side channel knows who is silent
-
-                how_long = waited(self.timeout, self.extra)
-                named = blame(how_long, self.what)
-                if named:
-                    abort_job(named, self.rank, EXIT_SILENT_PEER)
-                abort_job(
-                    f"no progress for {how_long} during {self.what}: "
-                    "a rank stopped answering; aborting the job",
-                    self.rank,
-                    EXIT_WATCHDOG,
-                )
+            quiet = time.monotonic() - self.last
+            if not self.active or quiet <= max(self.timeout + self.extra, self.startup):
+                continue
+            if patient(None):
+                was_patient = True
+                continue
+            how_long = waited(self.timeout, self.extra)
+            named = blame(how_long, self.what)
+            if named:
+                abort_job(named, self.rank, EXIT_SILENT_PEER)
+            if was_patient or self.startup:
+                how_long = f"{quiet:.0f} s (within --startup-timeout)"
+            abort_job(
+                f"no progress for {how_long} during {self.what}: "
+                "a rank stopped answering; aborting the job",
+                self.rank,
+                EXIT_WATCHDOG,
+            )

@@ -45,14 +45,15 @@ def gather_hosts(comm) -> list[str]:
 class Heartbeat:
     """Beats to and from every peer; `suspect()` names who has been silent longest."""
 
-    def __init__(self, comm, timeout: float):
+    def __init__(self, comm, timeout: float, startup_timeout: float = 0.0):
         self.comm = comm.Dup()  # beats never match a message of the training's communicators
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.hosts = gather_hosts(self.comm)
-        self.interval = min(1.0, timeout / 8)
+        self.timeout, self.interval = timeout, min(1.0, timeout / 8)
         self.peers = [r for r in range(self.size) if r != self.rank]
         now = time.monotonic()
         self.heard = dict.fromkeys(self.peers, now)
+        self.patient_until = now + startup_timeout  # see patient()
         self.active = True
         self.signals = _signal_pipe()
         self.thread = threading.Thread(target=self._beat, daemon=True, name="ringtrain-heartbeat")
@@ -66,10 +67,14 @@ class Heartbeat:
         """(rank, seconds since last heard) of the peer silent longest, if any is overdue."""
         if not self.peers:
             return None
-        now = time.monotonic()
         rank = min(self.peers, key=lambda p: self.heard[p])
-        quiet = now - self.heard[rank]
-        return (rank, quiet) if quiet > 2 * self.interval + 0.5 else None
+        return (rank, self.quiet(rank)) if self.overdue(rank) else None
+
+    def quiet(self, rank: int) -> float:
+        return time.monotonic() - self.heard[rank]
+
+    def overdue(self, rank: int) -> bool:
+        return self.quiet(rank) > 2 * self.interval + 0.5
 
     def stop(self) -> None:
         if self.active:
@@ -146,13 +151,30 @@ def _signal_pipe() -> int | None:
     return None
 
 
-def start(comm, timeout: float) -> Heartbeat:
+def start(comm, timeout: float, startup_timeout: float = 0.0) -> Heartbeat:
     """Gather the hosts (a collective) and start beating; the result is also `current`."""
     global current
     if current is not None:  # a second train() in the same process
         current.stop()
-    current = Heartbeat(comm, timeout)
+    current = Heartbeat(comm, timeout, startup_timeout)
     return current
+
+
+def patient(world_rank: int | None) -> bool:
+    """Whether a deadline that passed should be waited past: during start-up and the first
+    step (graph tracing and compiling, slow on a loaded node, up to --startup-timeout), a
+    peer heard from within --comm-timeout (every peer, for None) is slow, not lost. A starved
+    core delays beats by seconds, so `overdue` is too strict here."""
+    if current is None or time.monotonic() > current.patient_until:
+        return False
+    peers = current.peers if world_rank is None else [world_rank]
+    return all(current.quiet(p) < current.timeout for p in peers)
+
+
+def settle() -> None:
+    """The first step is done: from now on --comm-timeout alone decides."""
+    if current is not None:
+        current.patient_until = 0.0
 
 
 def blame(waited: str, what: str) -> str | None:

@@ -8,7 +8,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ringtrain import log, tensorboard
+from ringtrain import heartbeat, log, tensorboard
 from ringtrain.checkpoint import RunCheckpoints
 from ringtrain.comm import Link
 from ringtrain.config import TrainConfig
@@ -74,6 +74,7 @@ def run(
             rates = {"learning_rate": lr, "samples_per_sec": cfg.batch_size / step_seconds[-1]}
             board.write(step + 1, {"loss": losses[-1], **rates})
         stopping, finite = stop.agree(world.comm, link.wait, losses[-1])
+        heartbeat.settle()  # the first step traced its graphs; --comm-timeout alone from here
         if not finite:  # every rank stops here, before a checkpoint could hold the damage
             what = f"the loss became non-finite ({losses[-1]})"
             newest = checkpoints.newest if checkpoints else None

@@ -56,12 +56,21 @@ ringtrain_prepare() {
 # srun gets --cpus-per-task again because Slurm 22.05 steps no longer inherit it from sbatch.
 # --kill-on-bad-exit=1 ends the whole step as soon as one task exits non-zero (a rank that
 # named a silent peer and aborted), instead of leaving the others to wait for it.
+# RINGTRAIN_TASKS_PER_NODE, set by `ringtrain slurm render --nodes MIN-MAX`, places that many
+# tasks on every node the job got, however many that is.
 ringtrain_launcher() {
+  local per_node=${RINGTRAIN_TASKS_PER_NODE:-}
   if srun --mpi=list 2>&1 | grep -qw pmix; then
     launcher=(srun --mpi=pmix --kill-on-bad-exit=1 --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}")
+    if [[ -n $per_node ]]; then
+      launcher+=(--ntasks-per-node="$per_node" --ntasks=$((per_node * SLURM_JOB_NUM_NODES)))
+    fi
   else
     launcher=(mpirun --bind-to none -x OMP_NUM_THREADS -x TF_NUM_INTRAOP_THREADS
       -x TF_NUM_INTEROP_THREADS)
+    if [[ -n $per_node ]]; then
+      launcher+=(--npernode "$per_node")
+    fi
   fi
 }
 
@@ -96,6 +105,8 @@ ringtrain_step() {
       echo "ringtrain job: step checkpointed before the end; requeueing job $SLURM_JOB_ID" >&2
       scontrol requeue "$SLURM_JOB_ID"
     fi
+  elif ((status != 0)); then
+    echo "ringtrain job: step exited $status (see the error above); job $SLURM_JOB_ID ends" >&2
   fi
   return "$status"
 }

@@ -1,4 +1,4 @@
-"""`ringtrain cluster up|status|down|exec`, for the main CLI to mount.
+"""`ringtrain cluster up|status|down|exec|fault`, for the main CLI to mount.
 
 Exit codes: 0 done; 1 the system refused a step (ClusterError: the line says which, and `up`
 removed what it had created), or `status` found a node or daemon missing; 2 bad input,
@@ -11,14 +11,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ringtrain.cluster import control
+from ringtrain.cluster import control, faults
 from ringtrain.cluster.layout import DEFAULT_SUBNET
 from ringtrain.errors import EXIT_PROBLEMS
 
 
 def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     commands = parser.add_subparsers(
-        dest="cluster_command", required=True, metavar="{up,status,down,exec}"
+        dest="cluster_command", required=True, metavar="{up,status,down,exec,fault}"
     )
     up = commands.add_parser(
         "up",
@@ -51,6 +51,15 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("node", metavar="NODE")
     run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD")
     run.set_defaults(cluster_run=_exec)
+    fault = commands.add_parser(
+        "fault",
+        help="rehearse a node fault: ringtrain cluster fault node2 power-off, then heal",
+        description="partition: take the node's link down. power-off: the link down, then "
+        "every process of the node killed. heal: the link up, sshd and slurmd restarted.",
+    )
+    fault.add_argument("node", metavar="NODE")
+    fault.add_argument("fault", choices=faults.FAULTS)
+    fault.set_defaults(cluster_run=_fault)
 
 
 def run_cluster_command(args: argparse.Namespace) -> int:
@@ -73,6 +82,11 @@ def _status(args: argparse.Namespace) -> int:
 def _down(args: argparse.Namespace) -> int:
     removed = control.down()
     print("removed: " + "; ".join(removed) if removed else "no cluster was up; nothing to remove")
+    return 0
+
+
+def _fault(args: argparse.Namespace) -> int:
+    print(faults.inject(args.node, args.fault), flush=True)
     return 0
 
 

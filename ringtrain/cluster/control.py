@@ -128,9 +128,9 @@ def up(nodes: int, subnet: str, link: str | None, cpus_per_node: int, slurm: boo
         ssh.write_keys_and_configs(layout, node_path)
         ssh.PRIVSEP_DIR.mkdir(mode=0o755, exist_ok=True)
         for node in layout.nodes:
-            _start_sshd(node)
+            start_sshd(node)
         for node in layout.nodes:
-            _wait_for_ssh(node)
+            wait_for_ssh(node)
         cluster = _start_slurm(layout) if slurm else None
         _write_hostfiles_and_env(layout, cluster)
     except (ClusterError, SlurmError, OSError) as exc:
@@ -196,11 +196,11 @@ def _create_network(layout: Layout) -> None:
         run(["unshare", f"--uts={node.uts_path}", "hostname", node.name])
 
 
-def _start_sshd(node: Node) -> None:
+def start_sshd(node: Node) -> None:
     run([*enter_node(node), ssh.SSHD, "-f", str(ssh.sshd_config_path(node))])
 
 
-def _wait_for_ssh(node: Node, timeout: float = 20) -> None:
+def wait_for_ssh(node: Node, timeout: float = 20) -> None:
     """Until `ssh NODE hostname` answers with the node's name, as mpirun will ask it."""
     deadline = time.monotonic() + timeout
     last = ""

@@ -289,11 +289,7 @@ class SlurmCluster:
             "slurmctld", ["slurmctld", "-f", str(self.conf)], self.root / "run" / "slurmctld.pid"
         )
         for node in self.nodes:
-            self._start_daemon(
-                f"slurmd-{node.name}",
-                [*node.enter, "slurmd", "-f", str(self.conf), "-N", node.name],
-                self._slurmd_pid_file(node),
-            )
+            self.start_slurmd(node)
         deadline = time.monotonic() + timeout
         states: dict[str, str] = {}
         while time.monotonic() < deadline:
@@ -302,6 +298,18 @@ class SlurmCluster:
                 return
             time.sleep(0.2)
         raise SlurmError(f"nodes not idle after {timeout} s (sinfo: {states})\n{self.logs()}")
+
+    def start_slurmd(self, node: SlurmNode) -> None:
+        """Also how a node comes back after a power loss: slurmd registers, and with
+        ReturnToService=2 a DOWN node returns to service."""
+        self._start_daemon(
+            f"slurmd-{node.name}",
+            [*node.enter, "slurmd", "-f", str(self.conf), "-N", node.name],
+            self._slurmd_pid_file(node),
+        )
+
+    def slurmd_pid(self, node: SlurmNode) -> int | None:
+        return pid_from_file(self._slurmd_pid_file(node), must_mention="slurmd")
 
     def node_states(self) -> dict[str, str]:
         """Each node's state as `sinfo` abbreviates it (idle, alloc, down*, ...)."""

@@ -12,7 +12,7 @@ import time
 import keras
 import numpy as np
 
-from ringtrain import log
+from ringtrain import heartbeat, log
 from ringtrain.config import TrainConfig
 from ringtrain.data import Dataset, epoch_batches, shard, step_plan
 from ringtrain.dataparallel.collectives import average_gradients, broadcast_state
@@ -117,6 +117,7 @@ class KickWatchdog(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.watchdog.kick(f"batch {batch + 1} of model.fit")
+        heartbeat.settle()
 
 
 class ShowProgress(keras.callbacks.Callback):

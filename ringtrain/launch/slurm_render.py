@@ -70,11 +70,6 @@ def render(
     `nodes` may be a (MIN, MAX) range; every count in it must give a valid layout."""
     low, high = (nodes, nodes) if isinstance(nodes, int) else nodes
     template = template_path(strategy, high)
-    if strategy == "pipeline" and low != high:
-        raise ValueError(
-            f"--nodes {low}-{high}: a pipeline's stage count follows its task count, and a "
-            "checkpoint resumes only with the same stages; give one node count, or use hybrid"
-        )
     for count in range(low, high + 1):
         _check_layout(strategy, count, ntasks_per_node, pp_size)
     time_limit_seconds(time)
@@ -92,18 +87,39 @@ def render(
     if strategy == "hybrid":
         values["PP_SIZE=${PP_SIZE:-"] = f"{pp_size}}}"
     script = template.read_text()
+    if low != high:
+        script = _per_node_tasks_by_srun(script, ntasks_per_node, template.name)
+        del values["#SBATCH --ntasks-per-node="]
     for prefix, value in values.items():
         script = _replace_value(script, prefix, value, template.name)
     if network is not None:
-        script = _with_network_default(script, network, template.name)
+        cidr = configured_network({ENV_VAR: network})
+        line = f"export {ENV_VAR}=${{{ENV_VAR}:-{cidr}}}"
+        script = _before_common(script, line, template.name)
     return script
 
 
-def _replace_value(script: str, prefix: str, value: str, template_name: str) -> str:
-    """Rewrite the one line starting with prefix; a function replacement keeps the backslashes
-    of quoted arguments literal."""
+def _per_node_tasks_by_srun(script: str, ntasks_per_node: int, template_name: str) -> str:
+    """With --ntasks-per-node, Slurm 22.05 sizes a --nodes=MIN-MAX job to MIN nodes even when
+    more are idle. So a range asks for CPUs per node instead (the tasks' CPUs, --mincpus),
+    which Slurm fills up to MAX nodes, and the step places the tasks: common.sh gives srun
+    RINGTRAIN_TASKS_PER_NODE per allocated node."""
+    cpus = re.search(r"^#SBATCH --cpus-per-task=([0-9]+)$", script, re.MULTILINE)
+    per_task = int(cpus[1]) if cpus else 1
+    mincpus = f"#SBATCH --mincpus={ntasks_per_node * per_task}"
+    script = _replace_value(script, "#SBATCH --ntasks-per-node=", mincpus, template_name, "")
+    return _before_common(script, f"RINGTRAIN_TASKS_PER_NODE={ntasks_per_node}", template_name)
+
+
+def _replace_value(
+    script: str, prefix: str, value: str, template_name: str, keep: str | None = None
+) -> str:
+    """Rewrite the one line starting with prefix to `keep` (the prefix itself by default)
+    followed by value; a function replacement keeps the backslashes of quoted arguments
+    literal."""
     pattern = re.compile("^" + re.escape(prefix) + ".*$", re.MULTILINE)
-    script, count = pattern.subn(lambda _: prefix + value, script)
+    line = (prefix if keep is None else keep) + value
+    script, count = pattern.subn(lambda _: line, script)
     if count != 1:
         raise ValueError(
             f"template {template_name} has {count} lines starting {prefix!r}, expected one"
@@ -111,11 +127,9 @@ def _replace_value(script: str, prefix: str, value: str, template_name: str) -> 
     return script
 
 
-def _with_network_default(script: str, network: str, template_name: str) -> str:
-    """Export RINGTRAIN_NETWORK (the submitter's environment still wins) before the line that
-    sources common.sh, which applies it; its value is a checked CIDR, so it cannot be code."""
-    cidr = configured_network({ENV_VAR: network})
-    line = f"export {ENV_VAR}=${{{ENV_VAR}:-{cidr}}}"
+def _before_common(script: str, line: str, template_name: str) -> str:
+    """Put `line` just before the line that sources common.sh, which reads it; every value in
+    such a line is checked or a number, so it cannot be code."""
     source = re.compile(r'^source "\$RINGTRAIN_HOME/slurm/common\.sh".*$', re.MULTILINE)
     script, count = source.subn(lambda found: f"{line}\n{found.group(0)}", script)
     if count != 1:
