@@ -431,6 +431,23 @@ def test_train_args_are_quoted_so_no_shell_code_runs(tmp_path):
     assert not (tmp_path / "pwned").exists()
 
 
+def test_a_node_range_asks_for_cpus_per_node_and_lets_the_step_place_the_tasks():
+    """Slurm sizes a --nodes=MIN-MAX job with --ntasks-per-node to MIN nodes; a range
+    therefore asks for the tasks' CPUs on each node and sets the tasks per node for srun."""
+    script = render("hybrid", (1, 2), 2, "10", pp_size=2)
+    assert bash_syntax_ok(script)
+    lines = script.splitlines()
+    assert "#SBATCH --nodes=1-2" in lines and "#SBATCH --mincpus=2" in lines
+    assert not any(line.startswith("#SBATCH --ntasks-per-node") for line in lines)
+    assert lines.index("RINGTRAIN_TASKS_PER_NODE=2") + 1 == next(
+        i for i, line in enumerate(lines) if line.startswith("source ")
+    )
+    pipeline = render("pipeline", (1, 2), 1, "10")  # the resume refuses other stage counts
+    assert "#SBATCH --nodes=1-2" in pipeline.splitlines()
+    with pytest.raises(ValueError, match="does not divide"):  # one node: 1 task, 2 stages
+        render("hybrid", (1, 2), 1, "10", pp_size=2)
+
+
 @pytest.mark.parametrize("job_name", ["x;id", "$(id)", "a b", "", "x\n", "n" * 65, "ünï"])
 def test_job_name_outside_the_safe_set_is_rejected(job_name):
     with pytest.raises(ValueError, match="job name"):

@@ -3,7 +3,7 @@
 - A node that goes silent (its link cut, or cut and then every process of it killed, as a
   power loss looks from outside) ends every launcher's run within --comm-timeout + 30 s, with
   a non-zero exit, a line naming the lost rank and its host, and nothing of the job left
-  running in any namespace. One fault hits six runs at once: data, pipeline and hybrid under
+  running in any namespace. Each fault hits six runs at once: data, pipeline and hybrid under
   mpirun, data under horovodrun, data and pipeline under srun inside sbatch.
 - A slow link is no false alarm: runs whose steps take longer than --comm-timeout complete
   with the weights of single-process training.
@@ -13,8 +13,9 @@
   parallel and hybrid resume from the previous checkpoint and end with the weights of an
   uninterrupted run, while a pipeline that would need more stages is refused in one line.
 
-One cluster (2 nodes, 2 CPUs each, Slurm) serves every test; each test heals the node it hurt,
-and the cluster is taken down even when a test failed.
+One cluster (4 nodes, 2 CPUs each, Slurm) serves every test: two pairs, node1+node2 and
+node3+node4, so two faults (or two capped links, or two requeues) overlap in time. Each test
+heals the nodes it hurt, and the cluster is taken down even when a test failed.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import hashlib
 import re
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,8 +43,6 @@ CIDR = cluster_layout.DEFAULT_SUBNET
 TIMEOUT = 20  # --comm-timeout: above the first step's tracing on a loaded 2-core machine
 BOUND = TIMEOUT + 30
 JOB_PROGRAMS = ("python", "ringtrain", "orted", "srun", "slurmstepd", "mpirun", "slurm_script")
-# A rank on node2 named with its host: by the heartbeat, or by a pipeline wait.
-NAMED = re.compile(r"rank \d+ on node2 unreachable|\(rank \d+\) went silent.*runs on node2")
 KEEPALIVE = " ".join(f"--mca {k} {v}" for k, v in KEEPALIVE_MCA.items())
 FREEZE = "RINGTRAIN_TEST_CRASH_BEFORE_MANIFEST"
 
@@ -69,11 +68,12 @@ def fault(node: str, kind: str) -> None:
 
 @pytest.fixture(scope="module")
 def slurm_env() -> Iterator[dict[str, str]]:
-    """A 2-node cluster with Slurm, and the environment its clients need."""
-    done = cluster("up", "--nodes", "2", "--cpus-per-node", "2", "--slurm")
+    """A 4-node cluster with Slurm (two pairs, so faults on both overlap), and the
+    environment its clients need."""
+    done = cluster("up", "--nodes", "4", "--cpus-per-node", "2", "--slurm")
     if done.returncode != 0:
         lines = done.stderr.strip().splitlines() or [f"exit {done.returncode}"]
-        pytest.fail(f"ringtrain cluster up --nodes 2 --slurm failed: {lines[-1]}")
+        pytest.fail(f"ringtrain cluster up --nodes 4 --slurm failed: {lines[-1]}")
     try:
         yield {**ENV, "SLURM_CONF": str(STATE / "slurm" / "etc" / "slurm.conf")}
     finally:
@@ -93,7 +93,7 @@ def program(pid: int) -> str:
         return ""
 
 
-def job_left(nodes=("node1", "node2"), wait: float = 15) -> list[str]:
+def job_left(nodes: tuple[str, ...], wait: float = 15) -> list[str]:
     """Processes of a job still running on the nodes, after giving them `wait` s to end."""
     deadline = time.monotonic() + wait
     while True:
@@ -153,12 +153,18 @@ def train_args(strategy: str) -> list[str]:
     ]
 
 
+def named(node: str) -> re.Pattern:
+    """A rank on `node` named with its host: by the heartbeat, or by a pipeline wait."""
+    return re.compile(rf"rank \d+ on {node} unreachable|\(rank \d+\) went silent.*runs on {node}")
+
+
 @dataclass
 class Run:
     """One launch that a fault hits: a launcher on this host, or a batch job."""
 
     name: str
     log: Path  # where its progress and its error line appear
+    batch_host: str
     process: subprocess.Popen | None = None
     job_id: str | None = None
     ended_after: float | None = None
@@ -166,11 +172,8 @@ class Run:
     def running(self) -> bool:
         if self.process is not None:
             return self.process.poll() is None
-        # the batch script and its step, on the batch host node1
-        return any(pid in node_pids("node1") for pid in self.job_pids())
-
-    def job_pids(self) -> list[int]:
-        return pids_with_environment(f"SLURM_JOB_ID={self.job_id}")
+        pids = node_pids(self.batch_host)  # the batch script and its step
+        return any(pid in pids for pid in pids_with_environment(f"SLURM_JOB_ID={self.job_id}"))
 
     def failed(self) -> bool:
         if self.process is not None:
@@ -187,134 +190,141 @@ class Run:
             subprocess.run(["scancel", self.job_id], env=env, check=False)
 
 
-def starters(tmp_path: Path, env: dict[str, str]) -> list[Callable[[], Run]]:
-    """The six runs, paired in waves of one mpirun-style launch and one more."""
-    pair = ["-H", "node1:1,node2:1"]
+def start_six(tmp_path: Path, env: dict[str, str], first: str, second: str) -> list[Run]:
+    """Data, pipeline and hybrid under mpirun, data under horovodrun (the line `ringtrain
+    cluster up` prints), data and pipeline under srun in sbatch: all across `first` and
+    `second`, each with its ranks split between them."""
+    folder = tmp_path / second
+    folder.mkdir()
+    pair = ["-H", f"{first}:1,{second}:1"]
+    mpirun = ["mpirun", *mpirun_flags(CIDR), "-np"]
     commands = {
-        "mpirun data": ["mpirun", "-np", "2", *pair, *mpirun_flags(CIDR), *train_args("data")],
-        "mpirun pipeline": [
-            *("mpirun", "-np", "2", *pair, *mpirun_flags(CIDR), *train_args("pipeline"))
-        ],
-        "mpirun hybrid": [
-            *("mpirun", "-np", "4", "-H", "node1:2,node2:2", *mpirun_flags(CIDR)),
-            *train_args("hybrid"),
-        ],
-        "horovodrun data": [  # the line `ringtrain cluster up` prints
+        "mpirun data": [*mpirun, "2", *pair, *train_args("data")],
+        "mpirun pipeline": [*mpirun, "2", *pair, *train_args("pipeline")],
+        "mpirun hybrid": [*mpirun, "4", "-H", f"{first}:2,{second}:2", *train_args("hybrid")],
+        "horovodrun data": [
             *("horovodrun", "-np", "2", *pair, "--network-interface", "eth0"),
-            *(f"--mpi-args=--mca oob_tcp_if_include {CIDR} {KEEPALIVE}", *train_args("data")),
+            f"--mpi-args=--mca oob_tcp_if_include {CIDR} {KEEPALIVE}",
+            *train_args("data"),
         ],
     }
-
-    def launcher(name: str) -> Run:
-        log = tmp_path / f"{name.replace(' ', '-')}.log"
+    runs = []
+    for name, command in commands.items():
+        log = folder / f"{name.replace(' ', '-')}.log"
         with log.open("w") as out:
-            process = subprocess.Popen(commands[name], stdout=out, stderr=out, env=ENV)
-        return Run(name, log, process=process)
-
-    def batch_job(strategy: str) -> Run:
-        template = {"data": "data-multinode.sbatch", "pipeline": "pipeline.sbatch"}[strategy]
-        log = tmp_path / f"srun-{strategy}.log"
+            process = subprocess.Popen(command, stdout=out, stderr=out, env=ENV)
+        runs.append(Run(name, log, first, process=process))
+    for strategy, template in (("data", "data-multinode.sbatch"), ("pipeline", "pipeline.sbatch")):
+        log = folder / f"srun-{strategy}.log"
         job = sbatch(
             env,
             ROOT / "slurm" / template,
             log,
             *train_args(strategy)[4:],  # the template names the strategy
-            options=["--nodes=2", "--ntasks-per-node=1"],
-            extra_env={"CKPT_DIR": str(tmp_path / f"ckpt-{strategy}")},
+            options=["--nodes=2", "--ntasks-per-node=1", f"--nodelist={first},{second}"],
+            extra_env={"CKPT_DIR": str(folder / f"ckpt-{strategy}")},
         )
-        return Run(f"srun {strategy}", log, job_id=job)
-
-    return [
-        *(lambda: launcher("mpirun data"), lambda: batch_job("data")),
-        *(lambda: launcher("mpirun pipeline"), lambda: batch_job("pipeline")),
-        *(lambda: launcher("mpirun hybrid"), lambda: launcher("horovodrun data")),
-    ]
+        runs.append(Run(f"srun {strategy}", log, first, job_id=job))
+    return runs
 
 
-def start_all(starts: list[Callable[[], Run]], runs: list[Run]) -> None:
-    """Fourteen ranks tracing their first step at once on two cores take longer than
-    --comm-timeout: --startup-timeout covers it, while every peer is heard from."""
-    runs.extend(start() for start in starts)
-    wait_until_training(runs)
+def note_ends(runs: list[Run], since: float) -> None:
+    for r in runs:
+        if r.ended_after is None and not r.running():
+            r.ended_after = time.monotonic() - since
 
 
-def wait_until_training(runs: list[Run], timeout: float = 300) -> None:
-    """Until every run has finished its first epoch."""
+def wait_until_training(runs: list[Run], meanwhile=lambda: None, timeout: float = 400) -> None:
+    """Until every run has finished its first epoch; `meanwhile` runs at every poll."""
     deadline = time.monotonic() + timeout
     waiting = runs
     while waiting and time.monotonic() < deadline:
         for r in waiting:
             assert r.process is None or r.running(), f"{r.name} ended early: {r.text()[-2000:]}"
         waiting = [r for r in waiting if "held-out accuracy" not in r.text()]
+        meanwhile()
         time.sleep(1)
     assert not waiting, f"never trained: {[(r.name, r.text()[-1500:]) for r in waiting]}"
 
 
-def one_fault_hits_six_runs(tmp_path: Path, env: dict[str, str], kind: str) -> None:
-    runs: list[Run] = []
+def assert_ended_and_named(runs: list[Run], lost: str) -> None:
+    for r in runs:
+        text = r.text()
+        assert r.ended_after is not None and r.ended_after <= BOUND, (r.name, text[-2000:])
+        assert r.failed(), (r.name, text[-2000:])
+        assert named(lost).search(text), (r.name, text[-3000:])
+        assert "Traceback" not in text, r.name
+
+
+def test_a_partition_and_a_power_loss_end_every_launcher_s_run_and_name_the_lost_rank(
+    slurm_env, tmp_path
+):
+    """Six runs on node1+node2 lose node2 to a partition; while they end, six more start on
+    node3+node4, which then loses its power. Starting fourteen ranks takes two cores longer
+    than --comm-timeout: --startup-timeout covers it while every peer is heard from. (All 28
+    at once took longer: the ranks already training slow the rest.)"""
+    cut_off: list[Run] = []
+    powered_off: list[Run] = []
     try:
-        start_all(starters(tmp_path, env), runs)
-        fault("node2", kind)
+        cut_off = start_six(tmp_path, slurm_env, "node1", "node2")
+        wait_until_training(cut_off)
+        fault("node2", "partition")
         cut = time.monotonic()
-        while any(r.ended_after is None for r in runs) and time.monotonic() - cut < BOUND + 60:
-            for r in runs:
-                if r.ended_after is None and not r.running():
-                    r.ended_after = time.monotonic() - cut
+        powered_off = start_six(tmp_path, slurm_env, "node3", "node4")
+        wait_until_training(powered_off, meanwhile=lambda: note_ends(cut_off, cut))
+        fault("node4", "power-off")
+        power = time.monotonic()
+        while time.monotonic() - power < BOUND + 60:
+            note_ends(cut_off, cut)
+            note_ends(powered_off, power)
+            if all(r.ended_after is not None for r in cut_off + powered_off):
+                break
             time.sleep(0.5)
         fault("node2", "heal")
-        for r in runs:
-            text = r.text()
-            assert r.ended_after is not None and r.ended_after <= BOUND, (r.name, text[-2000:])
-            assert r.failed(), (r.name, text[-2000:])
-            assert NAMED.search(text), (r.name, text[-3000:])
-            assert "Traceback" not in text, r.name
-        assert job_left() == []
+        fault("node4", "heal")
+        assert_ended_and_named(cut_off, "node2")
+        assert_ended_and_named(powered_off, "node4")
+        assert job_left(("node1", "node2", "node3", "node4")) == []
     finally:
-        for r in runs:
-            r.stop(env)
-
-
-def test_a_partition_ends_every_launcher_s_run_and_names_a_lost_rank(slurm_env, tmp_path):
-    one_fault_hits_six_runs(tmp_path, slurm_env, "partition")
-
-
-def test_a_power_loss_ends_every_launcher_s_run_and_names_a_lost_rank(slurm_env, tmp_path):
-    one_fault_hits_six_runs(tmp_path, slurm_env, "power-off")
+        for r in cut_off + powered_off:
+            r.stop(slurm_env)
 
 
 # ---- a slow link ---------------------------------------------------------------------------
 
 
-def cap(rate: str) -> None:
-    """Both directions of node2's link, as `ringtrain cluster up --link` caps them."""
+def cap(node: str, rate: str) -> None:
+    """Both directions of a node's link, as `ringtrain cluster up --link` caps them."""
     tbf = ["root", "tbf", "rate", rate, "burst", "4kb", "latency", "1s"]
-    veth = f"{cluster_layout.PREFIX}node2"
+    veth = f"{cluster_layout.PREFIX}{node}"
     subprocess.run(["tc", "qdisc", "replace", "dev", veth, *tbf], check=True)
     subprocess.run(["tc", "-n", veth, "qdisc", "replace", "dev", "eth0", *tbf], check=True)
 
 
-def uncap() -> None:
-    veth = f"{cluster_layout.PREFIX}node2"
+def uncap(node: str) -> None:
+    veth = f"{cluster_layout.PREFIX}{node}"
     subprocess.run(["tc", "qdisc", "del", "dev", veth, "root"], check=False)
     subprocess.run(["tc", "-n", veth, "qdisc", "del", "dev", "eth0", "root"], check=False)
 
 
 def test_a_slow_link_is_no_false_alarm(slurm_env, tmp_path):
-    """node2's link at 512 kbit/s (64 kB/s, shared by both runs): a data-parallel step's
-    gradient allreduce (about 135 kB each way for the mlp) and a pipeline step's 8 messages
-    (32 kB each at batch 256, M = 4) take 4 s or more, beyond --comm-timeout 2. With
-    --min-link-rate below the link's rate both complete, with the weights of single-process
-    training."""
+    """node2's and node4's links at 512 kbit/s (64 kB/s): a data-parallel step's gradient
+    allreduce across node1+node2 (about 135 kB each way for the mlp) and a pipeline step's 8
+    messages across node3+node4 (32 kB each at batch 256, M = 4) take 4 s or more, beyond
+    --comm-timeout 2. With --min-link-rate below the link's rate both complete, with the
+    weights of single-process training. (Each run has a capped link of its own: another
+    job's bulk transfer ahead in the same queue is not this rank's bytes.)"""
     flags = ["--model", "mlp", "--steps", "6", "--seed", "3", "--batch-size", "256"]
     single = tmp_path / "single.npz"
     done = run([CLI, "train", "--strategy", "single", *flags, "--weights-out", str(single)])
     assert done.returncode == 0, done.stderr[-2000:]
+    pairs = {"data": ("node1", "node2"), "pipeline": ("node3", "node4")}
     jobs = {}
-    cap("512kbit")
     try:
-        for strategy in ("data", "pipeline"):
+        for strategy, (first, second) in pairs.items():
+            cap(second, "512kbit")
             cmd = [
-                *("mpirun", "-np", "2", "-H", "node1:1,node2:1", *mpirun_flags(CIDR)),
+                *("mpirun", "-np", "2", "-H", f"{first}:1,{second}:1", *mpirun_flags(CIDR)),
                 *(CLI, "train", "--strategy", strategy, *STRATEGY_ARGS[strategy], *flags),
                 *("--comm-timeout", "2", "--min-link-rate", "0.02"),
                 *("--weights-out", str(tmp_path / f"{strategy}.npz")),
@@ -327,7 +337,8 @@ def test_a_slow_link_is_no_false_alarm(slurm_env, tmp_path):
         for job in jobs.values():
             if job.poll() is None:
                 job.kill()
-        uncap()
+        for _, second in pairs.values():
+            uncap(second)
     for strategy, job in jobs.items():
         text = (tmp_path / f"{strategy}.log").read_text()
         assert job.returncode == 0, (strategy, text[-2000:])
@@ -344,13 +355,16 @@ REQUEUE_ARGS = {"data": [], "pipeline": ["--microbatches", "4"], "hybrid": ["--m
 
 @dataclass
 class Requeued:
-    """A `--nodes=1-2 --requeue` job whose checkpoint writer freezes on node1."""
+    """A `--nodes=1-2 --requeue` job on a pair of nodes whose checkpoint writer freezes on the
+    first; `survivor` is the node it must finish on."""
 
     strategy: str
     job_id: str
     log: Path
     ckpt: Path
     weights: Path
+    lost: str
+    survivor: str
 
     def text(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
@@ -362,60 +376,54 @@ class Requeued:
                 status = Path(f"/proc/{pid}/status").read_text()
             except OSError:
                 continue
-            if "\nState:\tT" in status and pid in node_pids("node1"):
+            if "\nState:\tT" in status and pid in node_pids(self.lost):
                 return True
         return False
 
 
-def submit_requeued(tmp_path, env, strategy: str, per_node: int, *extra: str) -> Requeued:
+def submit_requeued(tmp_path, env, strategy: str, pair: tuple[str, str]) -> Requeued:
+    per_node, extra = (2, ["--pp-size", "2"]) if strategy == "hybrid" else (1, [])
     script = rendered(tmp_path, strategy, "1-2", per_node, *extra)
     ckpt, weights = tmp_path / f"ckpt-{strategy}", tmp_path / f"{strategy}.npz"
     log = tmp_path / f"{strategy}.log"
     args = [*FLAGS, *REQUEUE_ARGS[strategy], "--checkpoint-every", "20"]
-    args += ["--comm-timeout", str(TIMEOUT)]
+    others = sorted({"node1", "node2", "node3", "node4"} - set(pair))
     job = sbatch(
         env,
         script,
         log,
         *args,
-        "--weights-out",
-        str(weights),
-        extra_env={"CKPT_DIR": str(ckpt), FREEZE: f"freeze:node1:{FROZEN_AT}"},
+        # Slurm, told by the operator, ends the frozen jobs; ringtrain's deadline must not
+        # fire first, while the other jobs' writers are still on their way to freezing.
+        *("--comm-timeout", "300", "--weights-out", str(weights)),
+        options=[f"--exclude={','.join(others)}"],  # this pair, now and after the requeue
+        extra_env={"CKPT_DIR": str(ckpt), FREEZE: f"freeze:{pair[0]}:{FROZEN_AT}"},
     )
-    return Requeued(strategy, job, log, ckpt, weights)
+    return Requeued(strategy, job, log, ckpt, weights, *pair)
 
 
-def lose_node1_while_frozen(env, jobs: list[Requeued], timeout: float = 300) -> None:
-    """Wait for every writer to freeze mid-checkpoint; node1 loses power; the operator marks
-    it DOWN, so Slurm requeues its jobs."""
+def lose_nodes_while_frozen(env, jobs: list[Requeued], timeout: float = 300) -> None:
+    """Wait for every writer to freeze mid-checkpoint; their nodes lose power; the operator
+    marks them DOWN, so Slurm requeues their jobs."""
     deadline = time.monotonic() + timeout
     while not all(j.frozen() for j in jobs):
         assert time.monotonic() < deadline, [(j.strategy, j.text()[-1500:]) for j in jobs]
         time.sleep(0.5)
-    for j in jobs:
-        assert "manifest" not in " ".join(p.name for p in j.ckpt.glob(f"*{FROZEN_AT}*"))
-    fault("node1", "power-off")
-    slurm(env, "scontrol", "update", "NodeName=node1", "State=DOWN", "Reason=power-loss")
+    for lost in sorted({j.lost for j in jobs}):
+        fault(lost, "power-off")
+        slurm(env, "scontrol", "update", f"NodeName={lost}", "State=DOWN", "Reason=power-loss")
 
 
-def wait_for_end(env, job: Requeued, timeout: float = 400) -> str:
-    """Until Slurm no longer lists the job as pending or running; its last state."""
+def wait_for_end(env, job: Requeued, timeout: float = 400) -> None:
+    """Until Slurm no longer lists the job as pending or running."""
     deadline = time.monotonic() + timeout
     state = ""
     while time.monotonic() < deadline:
         state = slurm(env, "squeue", "-h", "-j", job.job_id, "-o", "%T").strip()
         if state not in ("PENDING", "RUNNING", "CONFIGURING", "REQUEUED", "COMPLETING"):
-            return state
+            return
         time.sleep(1)
     raise AssertionError(f"job {job.strategy} still {state}: {job.text()[-2000:]}")
-
-
-def single_weights(tmp_path: Path, strategy: str) -> Path:
-    """The uninterrupted run: one process, the same global batch and steps."""
-    out = tmp_path / f"single-{strategy}.npz"
-    done = run([CLI, "train", "--strategy", "single", *FLAGS, "--weights-out", str(out)])
-    assert done.returncode == 0, done.stderr[-2000:]
-    return out
 
 
 def folder_digest(folder: Path) -> dict[str, str]:
@@ -423,45 +431,44 @@ def folder_digest(folder: Path) -> dict[str, str]:
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
 
 
-def assert_resumed_exactly(tmp_path: Path, job: Requeued) -> None:
+def assert_resumed_exactly(job: Requeued, uninterrupted: Path) -> None:
     text = job.text()
-    assert "slurm task 0 of step 0 on node2" in text, text[-3000:]  # the requeued run
+    assert f"slurm task 0 of step 0 on {job.survivor}" in text, text[-3000:]  # the requeue
     assert re.search(r"resumed from .* at step 20\b", text), text[-3000:]
     assert job.weights.exists(), text[-3000:]
-    comparison = compare_weight_files(job.weights, single_weights(tmp_path, job.strategy), "mlp", 5)
+    comparison = compare_weight_files(job.weights, uninterrupted, "mlp", 5)
     assert comparison.passed, (job.strategy, comparison)
 
 
-def test_a_requeued_job_resumes_on_the_node_left_and_a_pipeline_is_refused(slurm_env, tmp_path):
-    """Data parallel resumes at one rank with the global batch unchanged and ends with the
-    uninterrupted run's weights; the 2-stage pipeline, requeued onto one node, is refused in
-    one line and its checkpoint folder is left exactly as the power loss left it."""
-    data = submit_requeued(tmp_path, slurm_env, "data", 1)
-    pipeline = submit_requeued(tmp_path, slurm_env, "pipeline", 1)
+def test_requeued_jobs_resume_on_the_nodes_left_and_a_pipeline_is_refused(slurm_env, tmp_path):
+    """Three `--nodes=1-2` jobs: data and a 2-stage pipeline on node1+node2, hybrid (2
+    replicas x 2 stages) on node3+node4. Each writer freezes at step 40 between its parts
+    and its manifest on node1 or node3, which then lose power. Requeued onto node2, data
+    resumes at one rank from step 20 with the global batch unchanged; onto node4, hybrid
+    resumes as one replica of the same 2 stages; both end with the uninterrupted run's
+    weights. The pipeline, now one rank, is refused in one line, its checkpoint untouched."""
+    data = submit_requeued(tmp_path, slurm_env, "data", ("node1", "node2"))
+    pipeline = submit_requeued(tmp_path, slurm_env, "pipeline", ("node1", "node2"))
+    hybrid = submit_requeued(tmp_path, slurm_env, "hybrid", ("node3", "node4"))
+    jobs = [data, pipeline, hybrid]
     try:
-        lose_node1_while_frozen(slurm_env, [data, pipeline])
+        uninterrupted = tmp_path / "uninterrupted.npz"
+        done = run(
+            [CLI, "train", "--strategy", "single", *FLAGS, "--weights-out", str(uninterrupted)]
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        lose_nodes_while_frozen(slurm_env, jobs)
         before = folder_digest(pipeline.ckpt)
-        wait_for_end(slurm_env, data)
-        wait_for_end(slurm_env, pipeline)
-        assert_resumed_exactly(tmp_path, data)
+        for job in jobs:
+            wait_for_end(slurm_env, job)
+        assert_resumed_exactly(data, uninterrupted)
+        assert_resumed_exactly(hybrid, uninterrupted)
         errors = [line for line in pipeline.text().splitlines() if "error:" in line]
-        assert any("stage" in line for line in errors), pipeline.text()[-3000:]
+        assert any("stages is 2 there and 1 here" in line for line in errors), pipeline.text()
         assert "Traceback" not in pipeline.text()
         assert folder_digest(pipeline.ckpt) == before
     finally:
-        for job in (data, pipeline):
+        for job in jobs:
             subprocess.run(["scancel", job.job_id], env=slurm_env, check=False)
         fault("node1", "heal")
-
-
-def test_a_requeued_hybrid_job_resumes_with_fewer_replicas(slurm_env, tmp_path):
-    """2 replicas of 2 stages on 2 nodes; requeued onto one node, 1 replica of the same 2
-    stages resumes and ends with the uninterrupted run's weights."""
-    hybrid = submit_requeued(tmp_path, slurm_env, "hybrid", 2, "--pp-size", "2")
-    try:
-        lose_node1_while_frozen(slurm_env, [hybrid])
-        wait_for_end(slurm_env, hybrid)
-        assert_resumed_exactly(tmp_path, hybrid)
-    finally:
-        subprocess.run(["scancel", hybrid.job_id], env=slurm_env, check=False)
-        fault("node1", "heal")
+        fault("node3", "heal")
