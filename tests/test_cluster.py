@@ -23,7 +23,7 @@ from conftest import BIN, ENV, REFERENCE_FLAGS, ROOT, compare_weight_files, load
 
 from ringtrain.cluster import layout as cluster_layout
 from ringtrain.cluster.slurm import SlurmCluster
-from ringtrain.cluster.system import alive
+from ringtrain.cluster.system import alive, netns_pids
 
 CLI = str(BIN / "ringtrain")
 STATE = cluster_layout.STATE_DIR
@@ -366,7 +366,7 @@ def assert_no_trace_of_a_cluster(node_pids: list[int]) -> None:
 
 
 def processes_on_nodes() -> list[int]:
-    return [int(p) for n in NODES for p in run(["ip", "netns", "pids", f"rtc-{n}"]).stdout.split()]
+    return [pid for n in NODES for pid in netns_pids(f"{cluster_layout.PREFIX}{n}")]
 
 
 def test_down_removes_every_namespace_link_process_and_line_up_created(shared):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 from conftest import BIN, ENV, ROOT
 
@@ -10,18 +12,20 @@ from ringtrain.errors import UserError
 from ringtrain.pipeline import partition
 
 
-def test_doctor_passes_on_this_machine_without_tensorflow_noise():
-    import subprocess
-
-    unasked = {k: v for k, v in ENV.items() if k != "TF_CPP_MIN_LOG_LEVEL"}  # ringtrain's job
-    done = subprocess.run(
+def doctor(env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
         [str(BIN / "ringtrain"), "doctor"],
         capture_output=True,
         text=True,
-        env=unasked,
+        env=env,
         cwd=ROOT,
         timeout=300,
     )
+
+
+def test_doctor_passes_on_this_machine_without_tensorflow_noise():
+    unasked = {k: v for k, v in ENV.items() if k != "TF_CPP_MIN_LOG_LEVEL"}  # ringtrain's job
+    done = doctor(unasked)
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
     for needle in ("tensorflow", "mpi4py", "MPI library", "horovod", "allreduce over 2 ranks"):
         assert needle in done.stdout
@@ -30,17 +34,7 @@ def test_doctor_passes_on_this_machine_without_tensorflow_noise():
 
 
 def test_doctor_without_mpirun_on_path_names_the_problem_and_the_remedy():
-    import subprocess
-
-    env = {**ENV, "PATH": str(BIN)}  # the venv only: no mpirun
-    done = subprocess.run(
-        [str(BIN / "ringtrain"), "doctor"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=300,
-    )
+    done = doctor({**ENV, "PATH": str(BIN)})  # the venv only: no mpirun
     assert done.returncode != 0
     assert "problem: mpirun is not on PATH: install openmpi-bin" in done.stderr
 

@@ -32,7 +32,7 @@ import pytest
 from conftest import BIN, ENV, ROOT, compare_weight_files, run
 
 from ringtrain.cluster import layout as cluster_layout
-from ringtrain.cluster.system import pids_with_environment
+from ringtrain.cluster.system import netns_pids, pids_with_environment
 from ringtrain.comm import transfer_time, waited
 from ringtrain.launch.network import KEEPALIVE as KEEPALIVE_MCA
 from ringtrain.launch.network import mpirun_flags
@@ -81,9 +81,7 @@ def slurm_env() -> Iterator[dict[str, str]]:
 
 
 def node_pids(node: str) -> list[int]:
-    ns = f"{cluster_layout.PREFIX}{node}"
-    done = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
-    return [int(p) for p in done.stdout.split()]
+    return netns_pids(f"{cluster_layout.PREFIX}{node}")
 
 
 def program(pid: int) -> str:

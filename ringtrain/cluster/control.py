@@ -37,6 +37,7 @@ from ringtrain.cluster.system import (
     alive,
     end_processes,
     host_lines,
+    netns_pids,
     pid_from_file,
     remove_host_lines,
     require_root,
@@ -356,7 +357,7 @@ def down() -> list[str]:
         SlurmCluster(os.environ, SLURM_ROOT, nodes).stop()
         removed.append("Slurm daemons and jobs")
     namespaces = _netns_names()
-    pids = [int(p) for ns in namespaces for p in run(["ip", "netns", "pids", ns]).stdout.split()]
+    pids = [pid for ns in namespaces for pid in netns_pids(ns)]
     pids += _daemons_under_state_dir()
     if pids:
         end_processes(pids)

@@ -14,7 +14,14 @@ import time
 
 from ringtrain.cluster import control, ssh
 from ringtrain.cluster.layout import Node
-from ringtrain.cluster.system import ClusterError, end_processes, pid_from_file, require_root, run
+from ringtrain.cluster.system import (
+    ClusterError,
+    end_processes,
+    netns_pids,
+    pid_from_file,
+    require_root,
+    run,
+)
 
 FAULTS = ("partition", "power-off", "heal")
 SERVING = ("idle", "alloc", "mix", "comp")  # sinfo's short states of a node that takes jobs
@@ -24,13 +31,14 @@ def inject(name: str, fault: str) -> str:
     """Apply `fault` to node `name`; a line saying what was done."""
     require_root("fault")
     spec = control.read_spec()
-    node = spec.layout().node(name)
+    layout = spec.layout()
+    node = layout.node(name)
     if fault == "partition":
         _set_link(node, "down")
         return f"{name}: link down; its processes run on, unreachable"
     if fault == "power-off":
         _set_link(node, "down")
-        pids = node_pids(node)
+        pids = netns_pids(node.netns)
         end_processes(pids, grace=0)
         return f"{name}: link down, then its {len(pids)} processes killed"
     _set_link(node, "up")
@@ -40,18 +48,13 @@ def inject(name: str, fault: str) -> str:
         restarted.append("sshd")
     control.wait_for_ssh(node)
     if spec.slurm:
-        cluster = control.slurm_cluster(spec.layout())
-        slurm_node = next(n for n in control.slurm_nodes(spec.layout()) if n.name == name)
+        cluster = control.slurm_cluster(layout)
+        slurm_node = next(n for n in control.slurm_nodes(layout) if n.name == name)
         if cluster.slurmd_pid(slurm_node) is None:
             cluster.start_slurmd(slurm_node)
             restarted.append("slurmd")
         _wait_until_serving(cluster, name)
     return f"{name}: link up" + (f", {' and '.join(restarted)} restarted" if restarted else "")
-
-
-def node_pids(node: Node) -> list[int]:
-    """Every process in the node's network namespace."""
-    return [int(p) for p in run(["ip", "netns", "pids", node.netns]).stdout.split()]
 
 
 def _set_link(node: Node, state: str) -> None:

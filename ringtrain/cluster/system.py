@@ -56,6 +56,11 @@ def run(argv: Sequence[str], *, check: bool = True, timeout: float = 30, **kwarg
     return done
 
 
+def netns_pids(netns: str) -> list[int]:
+    """Every process in a network namespace (none when it is gone)."""
+    return [int(p) for p in run(["ip", "netns", "pids", netns], check=False).stdout.split()]
+
+
 def alive(pid: int) -> bool:
     """Running, and not a zombie (a daemon's parent may not reap it at once)."""
     try:
