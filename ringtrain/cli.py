@@ -90,6 +90,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         help="split each rank's slice into K sequential parts (same update)",
     )
     p.add_argument("--fp16-allreduce", action="store_true", help="Horovod fp16 compression")
+    p.add_argument(
+        "--bucket-mb",
+        type=float,
+        help="allreduce gradients in buckets of this many MiB as the backward makes them "
+        "(default: one fused allreduce after the backward)",
+    )
     p.add_argument("--scale-lr", action="store_true", help="multiply --lr by the replica count")
     p.add_argument("--warmup-epochs", type=float, default=0.0, help="linear LR warm-up")
     p.add_argument("--clip-norm", type=float, help="clip by the global gradient norm")
@@ -184,6 +190,7 @@ def config_from_args(args: argparse.Namespace):
         loop=args.loop,
         accumulate=args.accumulate,
         fp16_allreduce=args.fp16_allreduce,
+        bucket_mb=args.bucket_mb,
         scale_lr=args.scale_lr,
         warmup_epochs=args.warmup_epochs,
         clip_norm=args.clip_norm,

@@ -39,6 +39,7 @@ class TrainConfig:
     loop: str = "custom"
     accumulate: int = 1
     fp16_allreduce: bool = False
+    bucket_mb: float | None = None  # None: one fused allreduce after the whole backward
     scale_lr: bool = False
     warmup_epochs: float = 0.0
     clip_norm: float | None = None
@@ -161,6 +162,11 @@ def validate_flags(cfg: TrainConfig, world_size: int, n_elements: int | None = N
         raise UserError(f"--loop fit drives data parallelism only, not --strategy {cfg.strategy}")
     if cfg.loop == "fit" and cfg.accumulate > 1:
         raise UserError("--accumulate needs --loop custom (model.fit steps once per batch)")
+    if cfg.bucket_mb is not None:
+        if not cfg.bucket_mb > 0:
+            raise UserError(f"--bucket-mb must be positive, got {cfg.bucket_mb}")
+        if cfg.strategy != "data" or cfg.loop != "custom":
+            raise UserError("--bucket-mb buckets the allreduce of --strategy data --loop custom")
     if cfg.strategy == "single" and world_size > 1:
         raise UserError(f"--strategy single runs on one rank, but {world_size} were launched")
     if cfg.strategy == "hybrid":

@@ -3,6 +3,7 @@ checkpoints, agreed stops and the watchdog."""
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Protocol
 
@@ -33,6 +34,34 @@ class Engine(Protocol):
     def load_state(self, state: dict[str, np.ndarray]) -> None: ...
 
 
+class AgreeingEngine(Engine, Protocol):
+    """An engine whose step also agrees on stopping (data parallelism folds the stop flag into
+    its gradient allreduce), so the loop runs no collective of its own per step."""
+
+    def step_agreeing(
+        self, global_indices: np.ndarray, stop_requested: bool
+    ) -> tuple[float, bool]: ...
+
+
+PHASES = ("learning_rate", "step", "stop_agreement", "loop", "checkpoints_and_evaluation")
+
+
+class PhaseClock:
+    """Where a step's wall time goes, summed over the steps after the first (which traces)."""
+
+    def __init__(self):
+        self.totals, self.steps, self.mark = dict.fromkeys(PHASES, 0.0), 0, time.perf_counter()
+
+    def lap(self, phase: str, counted: bool) -> None:
+        now = time.perf_counter()
+        if counted:
+            self.totals[phase] += now - self.mark
+        self.mark = now
+
+    def means_ms(self) -> dict[str, float]:
+        return {k: round(1e3 * v / max(1, self.steps), 4) for k, v in self.totals.items()}
+
+
 def run(
     engine: Engine,
     data: Dataset,
@@ -56,6 +85,7 @@ def run(
     board = tensorboard.Scalars(cfg.tensorboard) if cfg.tensorboard and world.rank == 0 else None
     stop, link = StopSignal(), Link(world.comm, cfg.comm_timeout)
     step_seconds: list[float] = []
+    agreeing, clock = hasattr(engine, "step_agreeing"), PhaseClock()
     accuracy, finished, started = float("nan"), True, time.perf_counter()
     for step in range(first, total):
         epoch, i = divmod(step, per_epoch)
@@ -63,17 +93,29 @@ def run(
             batches = epoch_batches(len(data.x), cfg.batch_size, cfg.seed, epoch)
             label, steps = f"epoch {epoch + 1}/{n_epochs}", min(per_epoch - i, total - step)
             progress = log.EpochProgress(style, label, steps)
+        counted = step > first
+        clock.lap("loop", counted)
+        tick = clock.mark
         lr = learning_rate(cfg, step / per_epoch, replicas)
         engine.set_learning_rate(lr)
         watchdog.kick(f"step {step + 1}")
-        tick = time.perf_counter()
-        losses.append(engine.step(batches[i]))
-        step_seconds.append(time.perf_counter() - tick)
-        progress.update(losses[-1])
+        clock.lap("learning_rate", counted)
+        if agreeing:
+            loss, stopping = engine.step_agreeing(batches[i], bool(stop.requested))
+            finite = math.isfinite(loss)
+        else:
+            loss = engine.step(batches[i])
+        clock.lap("step", counted)
+        if not agreeing:
+            stopping, finite = stop.agree(world.comm, link.wait, loss)
+        clock.lap("stop_agreement", counted)
+        clock.steps += counted
+        losses.append(loss)
+        step_seconds.append(clock.mark - tick)  # learning rate, step and agreement
+        progress.update(loss)
         if board:  # on the optimizer-step axis: a resumed run continues the same curves
             rates = {"learning_rate": lr, "samples_per_sec": cfg.batch_size / step_seconds[-1]}
-            board.write(step + 1, {"loss": losses[-1], **rates})
-        stopping, finite = stop.agree(world.comm, link.wait, losses[-1])
+            board.write(step + 1, {"loss": loss, **rates})
         heartbeat.settle()  # the first step traced its graphs; --comm-timeout alone from here
         if not finite:  # every rank stops here, before a checkpoint could hold the damage
             what = f"the loss became non-finite ({losses[-1]})"
@@ -81,6 +123,7 @@ def run(
             raise non_finite(what, step + 1, world.rank, newest)
         stopping = stopping or cfg.stop_after == step + 1
         due = cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0
+        clock.lap("loop", counted)
         if checkpoints and (stopping or due or step + 1 == total):
             watchdog.kick(f"the checkpoint at step {step + 1}")
             checkpoints.save(step + 1, epoch, losses)
@@ -92,6 +135,7 @@ def run(
             measured = engine.epoch_scalars() if cfg.tensorboard else {}  # every rank joins
             if board:
                 board.write(step + 1, {"held_out_accuracy": accuracy, **measured}, flush=True)
+        clock.lap("checkpoints_and_evaluation", counted)
         if stopping and step + 1 < total:
             finished = False
             log.info(
@@ -116,6 +160,7 @@ def run(
         "test_accuracy": accuracy,
         "samples_per_sec": cfg.batch_size * len(steady) / sum(steady) if steady else 0.0,
         "seconds": seconds,
+        "step_breakdown_ms": clock.means_ms(),
         "config": cfg.as_dict(),
     }
     metrics.update(engine.extra_metrics())

@@ -11,9 +11,12 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import keras
 import numpy as np
-import tensorflow as tf
+
+from ringtrain.tensorflow_loader import tf  # before Keras: keeps scikit-learn out of it
+
+# isort: split
+import keras
 
 
 @dataclass
@@ -192,15 +195,18 @@ def _named(
     return [lambda f=f, i=i: f(element_name(i)) for i, f in enumerate(factories)]
 
 
-def mlp(input_shape: tuple[int, ...], n_classes: int) -> ModelSpec:
-    """Four dense elements: small enough to test on 4 stages, deep enough to split."""
+def mlp(
+    input_shape: tuple[int, ...], n_classes: int, widths: Sequence[int] = (128, 128, 64)
+) -> ModelSpec:
+    """Dense elements (four by default): small enough to test on 4 stages, deep enough to
+    split; wider ones make a model whose gradients outweigh its compute."""
+    first, *rest = widths
     return ModelSpec(
         input_shape,
         _named(
             [
-                lambda n: FlatDense(128, "relu", name=n),
-                lambda n: keras.layers.Dense(128, "relu", name=n),
-                lambda n: keras.layers.Dense(64, "relu", name=n),
+                lambda n: FlatDense(first, "relu", name=n),
+                *(lambda n, w=w: keras.layers.Dense(w, "relu", name=n) for w in rest),
                 lambda n: keras.layers.Dense(n_classes, name=n),
             ]
         ),

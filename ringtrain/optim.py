@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from ringtrain import tensorflow_loader  # noqa: F401  (before Keras: keeps scikit-learn out)
+
+# isort: split
 import keras
 
 from ringtrain.config import TrainConfig

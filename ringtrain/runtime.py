@@ -59,7 +59,7 @@ def start(with_horovod: bool, process_sets: list[list[int]] | None = None) -> Wo
     """Initialise MPI (and Horovod on the same communicator) and size TensorFlow's thread pools."""
     me = who_am_i()
     comm = start_mpi(me.local_size)
-    import tensorflow as tf
+    from ringtrain.tensorflow_loader import tf
 
     threads = default_threads(me.local_size)
     tf.config.threading.set_intra_op_parallelism_threads(threads)

@@ -43,6 +43,7 @@ REPORTED = (
     "pp_size",
     "accumulate",
     "fp16_allreduce",
+    "bucket_mb",
     "clip_norm",
     "loop",
     "sync_sends",
@@ -74,6 +75,8 @@ def grid(world_size: int) -> list[TrainConfig]:
             case("data", "mlp", "sgd", fp16_allreduce=True),
             case("data", "transformer", "adam", fp16_allreduce=True),
             case("data", "mlp", "sgd", clip_norm=0.1),
+            case("data", "cnn", "adam", bucket_mb=0.001),  # a bucket per tensor or two
+            case("data", "transformer", "sgd", bucket_mb=0.01, accumulate=2),
             case("data", "mlp", "adam", loop="fit"),
             case("data", "cnn", "sgd", loop="fit"),
             case("data", "mlp", "sgd", batch_size=480, steps=3),  # crosses an epoch boundary
@@ -87,7 +90,7 @@ def grid(world_size: int) -> list[TrainConfig]:
             pipe("mlp", "sgd", schedule="gpipe", microbatches=5, partition="params"),
         ],
         3: [
-            case("data", "mlp", "adam"),
+            case("data", "mlp", "adam", bucket_mb=0.02),
             case("data", "cnn", "sgd"),
             case("model", "cnn", "adam"),
             pipe("transformer", "adam", schedule="gpipe", microbatches=3),

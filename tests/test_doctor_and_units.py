@@ -1,4 +1,4 @@
-"""`ringtrain doctor`, and the pure pieces: partitioner and configuration checks."""
+"""`ringtrain doctor`, and the pure pieces: partitioner, buckets and configuration checks."""
 
 from __future__ import annotations
 
@@ -58,12 +58,23 @@ def test_balanced_partition_minimises_the_costliest_stage():
         ({"strategy": "hybrid", "pp_size": 3}, 4, "not divisible by --pp-size 3"),
         ({"strategy": "model", "microbatches": 2}, 2, "one microbatch"),
         ({"clip_norm": -1.0}, 1, "--clip-norm must be positive"),
+        ({"bucket_mb": 0.0}, 2, "--bucket-mb must be positive"),
+        ({"strategy": "pipeline", "bucket_mb": 1.0}, 2, "--bucket-mb buckets the allreduce"),
     ],
 )
 def test_validation_names_the_problem(changes, world, needle):
     cfg = TrainConfig(batch_size=64, **changes)
     with pytest.raises(UserError, match=needle):
         validate(cfg, world, n_elements=4)
+
+
+def test_buckets_follow_the_backward_and_hold_the_cap():
+    from ringtrain.dataparallel.collectives import MiB, buckets
+
+    sizes = [MiB // 2, MiB // 2, 3 * MiB, MiB // 4, MiB // 4]
+    assert buckets(sizes, 1.0) == [[4, 3], [2], [1, 0]]  # last layer first; big alone
+    assert buckets(sizes, 100.0) == [[4, 3, 2, 1, 0]]
+    assert buckets([], 1.0) == []
 
 
 def test_learning_rate_scales_by_replicas_after_a_linear_warmup():

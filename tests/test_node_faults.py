@@ -3,8 +3,8 @@
 - A node that goes silent (its link cut, or cut and then every process of it killed, as a
   power loss looks from outside) ends every launcher's run within --comm-timeout + 30 s, with
   a non-zero exit, a line naming the lost rank and its host, and nothing of the job left
-  running in any namespace. Each fault hits six runs at once: data, pipeline and hybrid under
-  mpirun, data under horovodrun, data and pipeline under srun inside sbatch.
+  running in any namespace. Six launches (data, pipeline and hybrid under mpirun, data under
+  horovodrun, data and pipeline under srun inside sbatch) each meet both faults.
 - A slow link is no false alarm: runs whose steps take longer than --comm-timeout complete
   with the weights of single-process training.
 - A requeued job finishes on the node that is left: the writer of a checkpoint freezes between
@@ -13,9 +13,9 @@
   parallel and hybrid resume from the previous checkpoint and end with the weights of an
   uninterrupted run, while a pipeline that would need more stages is refused in one line.
 
-One cluster (4 nodes, 2 CPUs each, Slurm) serves every test: two pairs, node1+node2 and
-node3+node4, so two faults (or two capped links, or two requeues) overlap in time. Each test
-heals the nodes it hurt, and the cluster is taken down even when a test failed.
+One cluster (24 nodes, 2 CPUs each, Slurm) serves every test: the twelve fault runs take a
+pair each, the other tests use node1 to node4 as two pairs, so their two cases overlap in time.
+Each test heals the nodes it hurt, and the cluster is taken down even when a test failed.
 """
 
 from __future__ import annotations
@@ -40,11 +40,13 @@ from ringtrain.launch.network import mpirun_flags
 CLI = str(BIN / "ringtrain")
 STATE = cluster_layout.STATE_DIR
 CIDR = cluster_layout.DEFAULT_SUBNET
-TIMEOUT = 20  # --comm-timeout: above the first step's tracing on a loaded 2-core machine
+TIMEOUT = 10  # --comm-timeout; --startup-timeout covers start-up and the first step's tracing
 BOUND = TIMEOUT + 30
 JOB_PROGRAMS = ("python", "ringtrain", "orted", "srun", "slurmstepd", "mpirun", "slurm_script")
 KEEPALIVE = " ".join(f"--mca {k} {v}" for k, v in KEEPALIVE_MCA.items())
 FREEZE = "RINGTRAIN_TEST_CRASH_BEFORE_MANIFEST"
+NODES = 24  # a pair for each of twelve runs: six launches, each partitioned and powered off
+ALL_NODES = tuple(f"node{n}" for n in range(1, NODES + 1))
 
 
 def test_a_deadline_adds_the_bytes_at_the_minimum_rate():
@@ -68,9 +70,8 @@ def fault(node: str, kind: str) -> None:
 
 @pytest.fixture(scope="module")
 def slurm_env() -> Iterator[dict[str, str]]:
-    """A 4-node cluster with Slurm (two pairs, so faults on both overlap), and the
-    environment its clients need."""
-    done = cluster("up", "--nodes", "4", "--cpus-per-node", "2", "--slurm")
+    """The 24-node cluster with Slurm, and the environment its clients need."""
+    done = cluster("up", "--nodes", str(NODES), "--cpus-per-node", "2", "--slurm")
     if done.returncode != 0:
         lines = done.stderr.strip().splitlines() or [f"exit {done.returncode}"]
         pytest.fail(f"ringtrain cluster up --nodes 4 --slurm failed: {lines[-1]}")
@@ -165,6 +166,9 @@ class Run:
     batch_host: str
     process: subprocess.Popen | None = None
     job_id: str | None = None
+    lost: str = ""  # the node its fault takes
+    fault: str = ""  # partition or power-off
+    faulted_at: float | None = None
     ended_after: float | None = None
 
     def running(self) -> bool:
@@ -188,105 +192,96 @@ class Run:
             subprocess.run(["scancel", self.job_id], env=env, check=False)
 
 
-def start_six(tmp_path: Path, env: dict[str, str], first: str, second: str) -> list[Run]:
-    """Data, pipeline and hybrid under mpirun, data under horovodrun (the line `ringtrain
-    cluster up` prints), data and pipeline under srun in sbatch: all across `first` and
-    `second`, each with its ranks split between them."""
-    folder = tmp_path / second
-    folder.mkdir()
-    pair = ["-H", f"{first}:1,{second}:1"]
-    mpirun = ["mpirun", *mpirun_flags(CIDR), "-np"]
-    commands = {
-        "mpirun data": [*mpirun, "2", *pair, *train_args("data")],
-        "mpirun pipeline": [*mpirun, "2", *pair, *train_args("pipeline")],
-        "mpirun hybrid": [*mpirun, "4", "-H", f"{first}:2,{second}:2", *train_args("hybrid")],
-        "horovodrun data": [
-            *("horovodrun", "-np", "2", *pair, "--network-interface", "eth0"),
-            f"--mpi-args=--mca oob_tcp_if_include {CIDR} {KEEPALIVE}",
-            *train_args("data"),
-        ],
-    }
-    runs = []
-    for name, command in commands.items():
-        log = folder / f"{name.replace(' ', '-')}.log"
-        with log.open("w") as out:
-            process = subprocess.Popen(command, stdout=out, stderr=out, env=ENV)
-        runs.append(Run(name, log, first, process=process))
-    for strategy, template in (("data", "data-multinode.sbatch"), ("pipeline", "pipeline.sbatch")):
-        log = folder / f"srun-{strategy}.log"
+LAUNCHES = ("mpirun data", "mpirun pipeline", "mpirun hybrid", "horovodrun data")
+BATCH_LAUNCHES = (("srun data", "data-multinode.sbatch"), ("srun pipeline", "pipeline.sbatch"))
+
+
+def start_run(tmp_path: Path, env: dict[str, str], name: str, first: str, second: str) -> Run:
+    """One launch across `first` and `second`, its ranks split between them: mpirun or
+    horovodrun (the lines `ringtrain cluster up` prints) on this host, or srun in sbatch."""
+    log = tmp_path / f"{name.replace(' ', '-')}-{second}.log"
+    strategy = name.split()[1]
+    if name.startswith("srun"):
+        template = dict(BATCH_LAUNCHES)[name]
         job = sbatch(
             env,
             ROOT / "slurm" / template,
             log,
             *train_args(strategy)[4:],  # the template names the strategy
             options=["--nodes=2", "--ntasks-per-node=1", f"--nodelist={first},{second}"],
-            extra_env={"CKPT_DIR": str(folder / f"ckpt-{strategy}")},
+            extra_env={"CKPT_DIR": str(tmp_path / f"ckpt-{second}")},
         )
-        runs.append(Run(f"srun {strategy}", log, first, job_id=job))
-    return runs
+        return Run(name, log, first, job_id=job)
+    per_node = 2 if strategy == "hybrid" else 1
+    hosts = ["-H", f"{first}:{per_node},{second}:{per_node}"]
+    if name.startswith("horovodrun"):
+        command = [
+            *("horovodrun", "-np", "2", *hosts, "--network-interface", "eth0"),
+            f"--mpi-args=--mca oob_tcp_if_include {CIDR} {KEEPALIVE}",
+        ]
+    else:
+        command = ["mpirun", *mpirun_flags(CIDR), "-np", str(2 * per_node), *hosts]
+    with log.open("w") as out:
+        command += train_args(strategy)
+        process = subprocess.Popen(command, stdout=out, stderr=out, env=ENV)
+    return Run(name, log, first, process=process)
 
 
-def note_ends(runs: list[Run], since: float) -> None:
+def note_ends(runs: list[Run]) -> None:
     for r in runs:
-        if r.ended_after is None and not r.running():
-            r.ended_after = time.monotonic() - since
+        if r.ended_after is None and r.faulted_at is not None and not r.running():
+            r.ended_after = time.monotonic() - r.faulted_at
 
 
-def wait_until_training(runs: list[Run], meanwhile=lambda: None, timeout: float = 400) -> None:
-    """Until every run has finished its first epoch; `meanwhile` runs at every poll."""
-    deadline = time.monotonic() + timeout
-    waiting = runs
-    while waiting and time.monotonic() < deadline:
-        for r in waiting:
-            assert r.process is None or r.running(), f"{r.name} ended early: {r.text()[-2000:]}"
-        waiting = [r for r in waiting if "held-out accuracy" not in r.text()]
-        meanwhile()
-        time.sleep(1)
-    assert not waiting, f"never trained: {[(r.name, r.text()[-1500:]) for r in waiting]}"
-
-
-def assert_ended_and_named(runs: list[Run], lost: str) -> None:
-    for r in runs:
-        text = r.text()
-        assert r.ended_after is not None and r.ended_after <= BOUND, (r.name, text[-2000:])
-        assert r.failed(), (r.name, text[-2000:])
-        assert named(lost).search(text), (r.name, text[-3000:])
-        assert "Traceback" not in text, r.name
+def assert_ended_and_named(r: Run) -> None:
+    text = r.text()
+    assert r.ended_after is not None and r.ended_after <= BOUND, (r.name, r.lost, text[-2000:])
+    assert r.failed(), (r.name, text[-2000:])
+    assert named(r.lost).search(text), (r.name, text[-3000:])
+    assert "Traceback" not in text, r.name
 
 
 def test_a_partition_and_a_power_loss_end_every_launcher_s_run_and_name_the_lost_rank(
     slurm_env, tmp_path
 ):
-    """Six runs on node1+node2 lose node2 to a partition; while they end, six more start on
-    node3+node4, which then loses its power. Starting fourteen ranks takes two cores longer
-    than --comm-timeout: --startup-timeout covers it while every peer is heard from. (All 28
-    at once took longer: the ranks already training slow the rest.)"""
-    cut_off: list[Run] = []
-    powered_off: list[Run] = []
+    """Each of the six launches runs twice, each run on a pair of nodes of its own: on one
+    pair the second node is partitioned, on the other it loses its power, as soon as that run
+    trains. (Faulting each run the moment it trains keeps runs from training, and taking the
+    two cores, while the other 26 ranks still start.)"""
+    names = [*LAUNCHES, *(name for name, _ in BATCH_LAUNCHES)]
+    plan = [(name, kind) for kind in ("partition", "power-off") for name in names]
+    runs: list[Run] = []
     try:
-        cut_off = start_six(tmp_path, slurm_env, "node1", "node2")
-        wait_until_training(cut_off)
-        fault("node2", "partition")
-        cut = time.monotonic()
-        powered_off = start_six(tmp_path, slurm_env, "node3", "node4")
-        wait_until_training(powered_off, meanwhile=lambda: note_ends(cut_off, cut))
-        fault("node4", "power-off")
-        power = time.monotonic()
-        while time.monotonic() - power < BOUND + 60:
-            note_ends(cut_off, cut)
-            note_ends(powered_off, power)
-            if all(r.ended_after is not None for r in cut_off + powered_off):
+        for k, (name, kind) in enumerate(plan):
+            first, second = f"node{2 * k + 1}", f"node{2 * k + 2}"
+            runs.append(start_run(tmp_path, slurm_env, name, first, second))
+            runs[-1].lost, runs[-1].fault = second, kind
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            for r in runs:
+                if r.faulted_at is None:
+                    assert r.process is None or r.running(), f"{r.name} ended: {r.text()[-2000:]}"
+                    if "held-out accuracy" in r.text():
+                        r.faulted_at = time.monotonic()
+                        fault(r.lost, r.fault)
+            note_ends(runs)
+            if all(r.ended_after is not None for r in runs):
                 break
             time.sleep(0.5)
-        fault("node2", "heal")
-        fault("node4", "heal")
-        assert_ended_and_named(cut_off, "node2")
-        assert_ended_and_named(powered_off, "node4")
-        # After the heal, slurmctld reaches node2's slurmd only at its next message retry
-        # (MessageTimeout 10 s a try); then slurmstepd ends the partitioned steps.
-        assert job_left(("node1", "node2", "node3", "node4"), wait=60) == []
+        assert all(r.faulted_at is not None for r in runs), [
+            (r.name, r.text()[-1500:]) for r in runs if r.faulted_at is None
+        ]
+        healing = [
+            subprocess.Popen([CLI, "cluster", "fault", r.lost, "heal"], env=ENV) for r in runs
+        ]
+        assert all(h.wait(timeout=120) == 0 for h in healing)
+        for r in runs:
+            assert_ended_and_named(r)
+        # After the heal, slurmctld reaches a partitioned node's slurmd only at its next
+        # message retry (MessageTimeout 10 s a try); then slurmstepd ends the steps there.
+        assert job_left(ALL_NODES, wait=60) == []
     finally:
-        for r in cut_off + powered_off:
+        for r in runs:
             r.stop(slurm_env)
 
 
@@ -314,10 +309,9 @@ def test_a_slow_link_is_no_false_alarm(slurm_env, tmp_path):
     --comm-timeout 2. With --min-link-rate below the link's rate both complete, with the
     weights of single-process training. (Each run has a capped link of its own: another
     job's bulk transfer ahead in the same queue is not this rank's bytes.)"""
-    flags = ["--model", "mlp", "--steps", "6", "--seed", "3", "--batch-size", "256"]
+    flags = ["--model", "mlp", "--steps", "3", "--seed", "3", "--batch-size", "256"]
     single = tmp_path / "single.npz"
-    done = run([CLI, "train", "--strategy", "single", *flags, "--weights-out", str(single)])
-    assert done.returncode == 0, done.stderr[-2000:]
+    reference = [CLI, "train", "--strategy", "single", *flags, "--weights-out", str(single)]
     pairs = {"data": ("node1", "node2"), "pipeline": ("node3", "node4")}
     jobs = {}
     try:
@@ -331,6 +325,8 @@ def test_a_slow_link_is_no_false_alarm(slurm_env, tmp_path):
             ]
             log = (tmp_path / f"{strategy}.log").open("w")
             jobs[strategy] = subprocess.Popen(cmd, stdout=log, stderr=log, env=ENV)
+        done = run(reference)  # meanwhile
+        assert done.returncode == 0, done.stderr[-2000:]
         for job in jobs.values():
             job.wait(timeout=400)
     finally:
@@ -387,7 +383,7 @@ def submit_requeued(tmp_path, env, strategy: str, pair: tuple[str, str]) -> Requ
     ckpt, weights = tmp_path / f"ckpt-{strategy}", tmp_path / f"{strategy}.npz"
     log = tmp_path / f"{strategy}.log"
     args = [*FLAGS, *REQUEUE_ARGS[strategy], "--checkpoint-every", "20"]
-    others = sorted({"node1", "node2", "node3", "node4"} - set(pair))
+    others = sorted(set(ALL_NODES) - set(pair))
     job = sbatch(
         env,
         script,

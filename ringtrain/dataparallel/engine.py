@@ -1,19 +1,20 @@
 """The custom-loop train step for `single` and `data`: one tf.function, gradients averaged by
-Horovod when there is more than one replica."""
+Horovod when there is more than one replica, in one fused allreduce after the backward or, with
+--bucket-mb, in buckets that start while the backward still runs."""
 
 from __future__ import annotations
 
 import numpy as np
-import tensorflow as tf
 
 from ringtrain.checkpoint import Checkpointable
 from ringtrain.config import TrainConfig
 from ringtrain.data import Dataset, shard
-from ringtrain.dataparallel.collectives import average_gradients, broadcast_state
+from ringtrain.dataparallel.collectives import average_gradients, broadcast_state, buckets
 from ringtrain.evaluate import sharded_accuracy
 from ringtrain.models import ModelSpec, forward, loss_fn, trainable_variables
 from ringtrain.optim import make_optimizer
 from ringtrain.runtime import World
+from ringtrain.tensorflow_loader import tf
 from ringtrain.weights import named_weights, replica_checksums
 
 
@@ -29,35 +30,74 @@ class DataParallelEngine(Checkpointable):
         self.optimizer.build(self.variables)
         if self.hvd is not None:
             broadcast_state(self.hvd, self.variables + list(self.optimizer.variables))
+        sizes = [int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in self.variables]
+        self.buckets = buckets(sizes, cfg.bucket_mb) if cfg.bucket_mb else [list(range(len(sizes)))]
         self._train_step = tf.function(self._step_graph)
+        self._traced_step = tf.function(lambda x, y, stop: self._step_graph(x, y, stop, True))
         self._predict = tf.function(lambda x: tf.argmax(forward(self.elements, x), axis=-1))
+        self._lr = None
 
-    def _step_graph(self, x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
-        """x holds `accumulate` slices; their averaged mean-loss gradients equal the slice's."""
+    def _step_graph(self, x: tf.Tensor, y: tf.Tensor, stop: tf.Tensor, timed: bool = False):
+        """x holds `accumulate` slices; their averaged mean-loss gradients equal the slice's.
+
+        The stop flag and the loss ride in the first bucket's allreduce, so the step needs no
+        collective of its own to agree on stopping; every rank sees the same averaged loss, so
+        all judge its finiteness alike. `timed` also returns when the backward ended and when
+        each bucket's average arrived (seconds since the step began): the overlap trace."""
+        began = tf.timestamp()
         slices = self.cfg.accumulate
         grads = [tf.zeros_like(v) for v in self.variables]
         loss = tf.constant(0.0)
         for i in range(slices):
-            with tf.GradientTape() as tape:
+            with tf.control_dependencies([began]), tf.GradientTape() as tape:
                 part = loss_fn(y[i], forward(self.elements, x[i])) / slices
             grads = [g + d for g, d in zip(grads, tape.gradient(part, self.variables), strict=True)]
             loss += part
-        if self.hvd is not None:  # the loss rides in the same fused allreduce: one Horovod cycle
-            *grads, loss = average_gradients(self.hvd, [*grads, loss], self.cfg.fp16_allreduce)
+        raw, arrived = grads, []
+        if self.hvd is not None:
+            grads = list(raw)
+            for b, bucket in enumerate(self.buckets):
+                extra = [loss, stop] if b == 0 else []
+                out = average_gradients(
+                    self.hvd, [raw[i] for i in bucket] + extra, self.cfg.fp16_allreduce
+                )
+                for i, averaged in zip(bucket, out, strict=False):
+                    grads[i] = averaged
+                if b == 0:
+                    loss, stop = out[-2], out[-1]
+                arrived.append(out)
         if self.cfg.clip_norm is not None:
             grads, _ = tf.clip_by_global_norm(grads, self.cfg.clip_norm)
         self.optimizer.apply_gradients(zip(grads, self.variables, strict=True))
-        return loss
+        if not timed:
+            return loss, stop
+        return loss, stop, tf.stack([_seconds_since(began, after) for after in [raw, *arrived]])
 
     def set_learning_rate(self, lr: float) -> None:
-        self.optimizer.learning_rate.assign(lr)
+        if lr != self._lr:  # an assign is an eager op: skip it while the schedule holds still
+            self.optimizer.learning_rate.assign(lr)
+            self._lr = lr
 
-    def step(self, global_indices: np.ndarray) -> float:
+    def _inputs(self, global_indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         local = shard(global_indices, self.world.rank, self.world.size)
         k = self.cfg.accumulate
         x = self.data.x[local].reshape(k, len(local) // k, *self.data.input_shape)
-        y = self.data.y[local].reshape(k, len(local) // k)
-        return float(self._train_step(x, y))
+        return x, self.data.y[local].reshape(k, len(local) // k)
+
+    def step(self, global_indices: np.ndarray) -> float:
+        return self.step_agreeing(global_indices, False)[0]
+
+    def step_agreeing(self, global_indices: np.ndarray, stop_requested: bool) -> tuple[float, bool]:
+        """One update; (the job's loss, whether any rank asked to stop)."""
+        loss, anyone = self._train_step(*self._inputs(global_indices), np.float32(stop_requested))
+        return float(loss), float(anyone) > 0
+
+    def traced_step(self, global_indices: np.ndarray) -> dict:
+        """One update, with when (ms after the step began) the backward ended and each bucket's
+        average arrived: a bucket that arrives before the backward ends overlapped it."""
+        _, _, times = self._traced_step(*self._inputs(global_indices), np.float32(0))
+        ms = [float(t) * 1e3 for t in times.numpy()]
+        return {"backward_end_ms": ms[0], "bucket_arrival_ms": ms[1:]}
 
     def evaluate(self) -> float:
         predict = lambda x: self._predict(x).numpy()  # noqa: E731
@@ -85,3 +125,8 @@ class DataParallelEngine(Checkpointable):
     def epoch_scalars(self) -> dict[str, float]:
         """Nothing beyond what the loop measures: data parallelism has no bubble."""
         return {}
+
+
+def _seconds_since(began: tf.Tensor, after: list) -> tf.Tensor:
+    with tf.control_dependencies(after):
+        return tf.timestamp() - began

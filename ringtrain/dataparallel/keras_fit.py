@@ -9,6 +9,9 @@ from __future__ import annotations
 import math
 import time
 
+from ringtrain import tensorflow_loader  # noqa: F401  (before Keras: keeps scikit-learn out)
+
+# isort: split
 import keras
 import numpy as np
 

@@ -11,7 +11,6 @@ import json
 import time
 
 import numpy as np
-import tensorflow as tf
 
 from ringtrain import log
 from ringtrain.checkpoint import Checkpointable
@@ -28,6 +27,7 @@ from ringtrain.pipeline.schedule import build_schedule
 from ringtrain.pipeline.simulate import simulate
 from ringtrain.pipeline.trace import Trace, measured_bubble, timeline, write_chrome_trace
 from ringtrain.runtime import World
+from ringtrain.tensorflow_loader import tf
 from ringtrain.weights import replica_checksums
 
 ACT, GRAD, EVAL, LOSS, WEIGHTS = 0, 1, 2, 3, 4  # message kinds; tag = 8 * microbatch + kind

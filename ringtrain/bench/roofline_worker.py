@@ -1,0 +1,266 @@
+"""The ranks of `ringtrain bench dp`: every contender and every roofline term of one workload,
+measured in one mpirun, alternating round by round.
+
+    mpirun -np 2 python -m ringtrain.bench.roofline_worker WORKLOAD ROUNDS STEPS OUT.json
+
+Contenders: one process on the global batch (the efficiency baseline), ringtrain's data
+parallelism as `ringtrain train` runs it (the real loop: learning rate, step, stop agreement,
+progress), the same with --bucket-mb, and a plain Horovod step (one tf.function, one
+grouped_allreduce, nothing else) as the floor a Horovod engineer would write. Roofline terms:
+the compute of one rank's half batch while the other rank computes its own, the in-place and
+out-of-place MPI_Allreduce of the gradient bytes, and the link rate. Horovod runs only while a
+contender that needs it is measured: its background thread would take CPU from the others.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from ringtrain import log, runtime
+from ringtrain.bench.common import horovod_running, idle_barrier
+from ringtrain.bench.roofline import BUCKET_MB, CONTENDERS, ENVIRONMENT, WORKLOADS, Workload
+from ringtrain.config import TrainConfig
+from ringtrain.data import Dataset, epoch_batches, load_synthetic, shard
+
+SEED, LR = 0, 0.01
+
+
+def batch_stream(data: Dataset, batch: int, count: int) -> np.ndarray:
+    per_epoch = len(data.x) // batch
+    epochs = [epoch_batches(len(data.x), batch, SEED, e) for e in range(-(-count // per_epoch))]
+    return np.concatenate(epochs)[:count]
+
+
+def timed_steps(step, batches: np.ndarray) -> float:
+    """ms per step over `batches`, after one untimed step."""
+    step(batches[0])
+    start = time.perf_counter()
+    for batch in batches[1:]:
+        step(batch)
+    return 1e3 * (time.perf_counter() - start) / (len(batches) - 1)
+
+
+def ringtrain_loop(engine, data: Dataset, cfg: TrainConfig, world) -> tuple[float, dict]:
+    """ms per step of `ringtrain train`'s own loop (evaluation and checkpoints left out), and
+    where the time went."""
+    from ringtrain import loop
+    from ringtrain.guard import Watchdog
+
+    watchdog = Watchdog(cfg.comm_timeout, world.rank)
+    try:
+        metrics = loop.run(engine, data, cfg, world, world.size, watchdog)
+    finally:
+        watchdog.stop()
+    phases = metrics["step_breakdown_ms"]
+    return sum(v for k, v in phases.items() if k != "checkpoints_and_evaluation"), phases
+
+
+def plain_horovod(workload: Workload, data: Dataset, hvd, world):
+    """The step a Horovod user writes by hand: tape, one grouped_allreduce, apply."""
+    import tensorflow as tf
+
+    from ringtrain.models import forward, loss_fn, trainable_variables
+    from ringtrain.optim import make_optimizer
+
+    elements = workload.spec(data).build(range(len(workload.spec(data))), SEED)
+    variables = trainable_variables(elements)
+    optimizer = make_optimizer(TrainConfig(optimizer="sgd", lr=LR))
+    optimizer.build(variables)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, forward(elements, x))
+        grads = tape.gradient(loss, variables)
+        *grads, loss = hvd.grouped_allreduce([*grads, loss], op=hvd.Average)
+        optimizer.apply_gradients(zip(grads, variables, strict=True))
+        return loss
+
+    def run(batch: np.ndarray) -> None:
+        local = shard(batch, world.rank, world.size)
+        float(step(data.x[local], data.y[local]))
+
+    return run
+
+
+def allreduce_ms(comm, nbytes: int, repeats: int) -> dict[str, float]:
+    """The best of `repeats` MPI_Allreduce calls on the gradient bytes, in place and not; the
+    results are checked."""
+    from mpi4py import MPI
+
+    n = max(1, nbytes // 4)
+    mine = np.full(n, comm.Get_rank() + 1, np.float32)
+    expected = comm.Get_size() * (comm.Get_size() + 1) / 2
+    out, best = np.empty_like(mine), {}
+    for name in ("in_place", "out_of_place"):
+        times = []
+        for _ in range(repeats):
+            buf = mine.copy()
+            comm.Barrier()
+            start = time.perf_counter()
+            if name == "in_place":
+                comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+            else:
+                comm.Allreduce(mine, out, op=MPI.SUM)
+            times.append(time.perf_counter() - start)
+            result = buf if name == "in_place" else out
+            if not np.all(result == expected):
+                raise RuntimeError(f"MPI_Allreduce {name} returned wrong sums")
+        best[name] = 1e3 * min(times)
+    return best
+
+
+def link_rate_mb_s(comm, nbytes: int = 16 << 20, repeats: int = 3) -> float:
+    """MB/s one way between rank 0 and rank 1, from simultaneous exchanges of `nbytes`."""
+    send = np.ones(nbytes, np.uint8)
+    receive = np.empty_like(send)
+    peer = 1 - comm.Get_rank()
+    best = float("inf")
+    for _ in range(repeats):
+        comm.Barrier()
+        start = time.perf_counter()
+        comm.Sendrecv(send, dest=peer, recvbuf=receive, source=peer)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best / 1e6
+
+
+def cpus_allowed() -> str:
+    """The cores this rank may run on: every contender runs in these same two ranks."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            return line.split(":", 1)[1].strip()
+    return ""
+
+
+def timeline_ms(path: str, steps: int) -> dict[str, float]:
+    """Horovod's own activities per step (negotiation, fusion copies, the allreduce), from its
+    timeline: each activity's intervals merged across tensors, summed, divided by steps."""
+    text = Path(path).read_text().strip().rstrip(",")
+    events = json.loads(text if text.endswith("]") else text + "]")
+    open_at: dict[tuple, float] = {}
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for e in events:
+        key = (e.get("pid"), e.get("tid"))
+        if e.get("ph") == "B":
+            open_at[key] = (e["name"], e["ts"])
+        elif e.get("ph") == "E" and key in open_at:
+            name, began = open_at.pop(key)
+            spans.setdefault(name, []).append((began, e["ts"]))
+    totals = {}
+    for name, intervals in spans.items():
+        merged, end = 0.0, -1.0
+        for began, ended in sorted(intervals):
+            merged += max(0.0, ended - max(began, end))
+            end = max(end, ended)
+        totals[name] = round(merged / 1e3 / steps, 4)
+    return totals
+
+
+def measure(workload: Workload, rounds: int, steps: int, out: str) -> None:
+    from mpi4py import MPI
+
+    from ringtrain.dataparallel.engine import DataParallelEngine
+
+    world = runtime.start(with_horovod=False)
+    data = load_synthetic(workload.samples, workload.shape, 10, SEED)
+    spec = workload.spec(data)
+    cfg = TrainConfig(
+        strategy="data",
+        model=workload.name,
+        batch_size=workload.batch,
+        optimizer="sgd",
+        lr=LR,
+        seed=SEED,
+        steps=steps + 1,
+        progress="none",
+        comm_timeout=600,
+    )
+    # Horovod broadcasts by variable name and Keras numbers names per process, so every rank
+    # builds the broadcasting contenders first, in the same order.
+    with horovod_running(world.comm) as hvd:
+        ranks = replace(world, hvd=hvd)
+        engines = {
+            "ringtrain": DataParallelEngine(spec, data, cfg, ranks),
+            "ringtrain bucketed": DataParallelEngine(
+                spec, data, replace(cfg, bucket_mb=BUCKET_MB), ranks
+            ),
+        }
+        plain = plain_horovod(workload, data, hvd, world)
+        stream = batch_stream(data, workload.batch, steps + 1)
+        for engine in engines.values():
+            engine.step(stream[0])
+        plain(stream[0])
+    alone = runtime.World(world.rank, 1, 0, 1, MPI.COMM_SELF, None)
+    half = replace(cfg, strategy="single", batch_size=workload.batch // world.size)
+    local = DataParallelEngine(spec, data, half, alone)  # one rank's compute, no allreduce
+    single = DataParallelEngine(spec, data, replace(cfg, strategy="single"), alone)
+    grad_bytes = sum(int(np.prod(v.shape)) * 4 for v in local.variables)
+
+    rows = []
+    for r in range(rounds):
+        order = CONTENDERS[r % len(CONTENDERS) :] + CONTENDERS[: r % len(CONTENDERS)]
+        row: dict = {"round": r}
+        for name in order:
+            idle_barrier(world.comm)
+            log.any_rank(f"round {r + 1}/{rounds}: {name}")
+            if name == "single":
+                if world.rank == 0:
+                    row[name] = timed_steps(single.step, stream)
+            elif name == "compute per rank":
+                own = [shard(b, world.rank, world.size) for b in stream]
+                row[name] = timed_steps(local.step, own)
+            elif name == "MPI_Allreduce":
+                row |= {
+                    f"MPI_Allreduce {k}": v
+                    for k, v in allreduce_ms(world.comm, grad_bytes, 5).items()
+                }
+            else:
+                with horovod_running(world.comm):
+                    if name == "plain Horovod":
+                        row[name] = timed_steps(plain, stream)
+                    else:
+                        ms, phases = ringtrain_loop(engines[name], data, cfg, world)
+                        row[name], row[f"{name} breakdown"] = ms, phases
+        rows.append(row)
+    link = link_rate_mb_s(world.comm)
+    os.environ["HOROVOD_TIMELINE"] = "DYNAMIC"  # read at init; only this last init records
+    with horovod_running(world.comm) as hvd:
+        trace = engines["ringtrain bucketed"].traced_step(stream[1])
+        timeline = Path(tempfile.mkdtemp()) / "timeline.json"
+        hvd.start_timeline(str(timeline))
+        ringtrain_loop(engines["ringtrain"], data, cfg, world)
+        hvd.stop_timeline()
+    ranks = world.comm.gather(
+        {
+            "host": MPI.Get_processor_name(),
+            "cpus_allowed_list": cpus_allowed(),
+            "environment": {k: v for k, v in os.environ.items() if k.startswith(ENVIRONMENT)},
+        }
+    )
+    if world.rank == 0:
+        report = {
+            "workload": workload.name,
+            "global_batch": workload.batch,
+            "gradient_bytes": grad_bytes,
+            "buckets": len(engines["ringtrain bucketed"].buckets),
+            "link_mb_s": link,
+            "rounds": rows,
+            "overlap_trace": trace,
+            "horovod_timeline_ms_per_step": timeline_ms(str(timeline), steps + 1),
+            "hosts": sorted({r["host"] for r in ranks}),
+            "ranks": ranks,
+        }
+        Path(out).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    name, rounds, steps, out = sys.argv[1:5]
+    measure(WORKLOADS[name], int(rounds), int(steps), out)
