@@ -36,8 +36,24 @@ def quick_bench(name: str, tmp_path: Path) -> dict:
     facts = report["machine"]
     assert facts["cpus"] >= 1
     assert all(facts[k] for k in ("python", "tensorflow", "keras", "mpi4py", "horovod", "mpi"))
+    assert "cpu_model" in facts
     assert report["wall_seconds"] > 0
     return report
+
+
+SETTINGS = {
+    "HOROVOD_CYCLE_TIME",
+    "HOROVOD_FUSION_THRESHOLD",
+    "OMPI_MCA_mpi_yield_when_idle",
+    "RINGTRAIN_THREADS",
+}
+
+
+def assert_pinning_recorded(report: dict, cpus_lists: list[str]) -> None:
+    """One rule, its mpirun flags, and a Cpus_allowed_list read from /proc for every process."""
+    assert report["pinning"]["rule"].strip()
+    assert report["pinning"]["mpirun_flags"] == ["--bind-to", "none"]
+    assert cpus_lists and all(c and c != "unknown" for c in cpus_lists)
 
 
 def rounds_per_contender(rows: list[dict]) -> dict[str, list[int]]:
@@ -68,10 +84,12 @@ STRATEGIES = [
     "data fit",
     "pipeline 1f1b M=8",
     "single all cores",
-    "TF MultiWorkerMirrored",
-    "TF ParameterServer",
+    "TF MultiWorkerMirrored stock",
+    "TF MultiWorkerMirrored tuned",
+    "TF ParameterServer (asynchronous)",
     "TF Mirrored",
 ]
+PS = "TF ParameterServer (asynchronous)"
 
 
 @pytest.mark.mpi
@@ -82,17 +100,18 @@ def test_bench_strategies_quick(tmp_path):
     # Every contender has three rounds of numbers; only the parameter servers may instead
     # have a recorded reason (they may not run on every TensorFlow).
     for name in STRATEGIES:
-        if name == "TF ParameterServer" and name in failures:
+        if name == PS and name in failures:
             assert failures[name].strip()
             continue
         assert measured.get(name) == [0, 1, 2], (name, failures)
-    assert set(failures) <= {"TF ParameterServer"}
+    assert set(failures) <= {PS}
     for r in report["raw"]:
         assert r["samples_per_sec"] > 0 and r["steps"] == report["steps_per_measurement"]
         assert r["others_cpu_seconds"] >= 0
     ratios = report["ratios"]
     assert len(ratios["data custom efficiency"]["per_round"]) == 3
-    assert "data custom / TF MultiWorkerMirrored" in ratios
+    assert "data custom / TF MultiWorkerMirrored stock" in ratios
+    assert "data custom / TF MultiWorkerMirrored tuned" in ratios
     assert "data custom / TF Mirrored" in ratios
     for target in report["targets"].values():
         assert target["met"] in (True, False, None)
@@ -102,6 +121,24 @@ def test_bench_strategies_quick(tmp_path):
     ranks = report["threads"]["ringtrain rank"]
     assert ranks["intra_op"] == ranks["inter_op"] == 1
     assert set(report["processes_per_contender"]) == set(STRATEGIES)
+    # Every measured contender's processes report where they may run, under one rule.
+    cpus = report["cpus_allowed_list"]
+    assert set(measured) <= set(cpus)
+    for name in measured:
+        count = sum(n for n, _ in report["processes_per_contender"][name])
+        assert len(cpus[name]) == count, (name, cpus[name])
+    assert_pinning_recorded(report, [p["cpus_allowed_list"] for ps in cpus.values() for p in ps])
+    assert set(report["environment"]) == SETTINGS
+    assert report["environment"]["RINGTRAIN_THREADS"] == "1"
+    # MWMS tuned: the sweep ran, and its pick is recorded along with every candidate.
+    tuning = report["mwms_tuning"]
+    assert len(tuning["candidates"]) >= 2
+    assert tuning["chosen"] in [
+        {k: c[k] for k in ("implementation", "inter_op")} for c in tuning["candidates"]
+    ]
+    assert tuning["chosen"]["implementation"] in ("RING", "AUTO")
+    assert report["threads"]["mwms tuned worker"]["inter_op"] == tuning["chosen"]["inter_op"]
+    assert "asynchronous" in report["notes"][PS].lower()
 
 
 @pytest.mark.mpi
@@ -115,12 +152,25 @@ def test_bench_allreduce_quick(tmp_path):
         for r in run_["rows"]:
             assert r["seconds"] > 0 and r["iters"] >= 5
             cells.setdefault((r["contender"], r["bytes"]), []).append(r["round"])
-        contenders = ("horovod", "mpi4py Allreduce", "ring", "memcpy")
-        assert set(cells) == {(c, n) for c in contenders for n in report["sizes"]}
+        contenders = ("horovod", "mpi4py Allreduce", "mpi4py Allreduce IN_PLACE", "ring")
+        copies = {n for c, n in cells if c == "memcpy"}
+        assert set(cells) == {(c, n) for c in contenders for n in report["sizes"]} | {
+            ("memcpy", n) for n in copies
+        }
+        # memcpy copies twice the last-level cache, or is dropped where that size is unknown
+        assert copies == ({2 * run_["last_level_cache_bytes"]} if copies else set())
         assert all(rounds == [0, 1, 2] for rounds in cells.values())
+        # The self-check ran: every collective, size, round and rank, and all sums were right.
+        check = run_["self_check"]
+        assert check["checked"] == 4 * len(report["sizes"]) * 3 * run_["ranks"]
+        assert check["failures"] == []
+        assert len(run_["cpus_allowed_list"]) == run_["ranks"]
+        assert_pinning_recorded(report, run_["cpus_allowed_list"])
+        assert set(run_["environment"]) == SETTINGS
     for e in report["summary"]:
         assert e["algbw_GBps_median"] > 0
         if e["contender"] != "memcpy":
+            assert e["reference"] in ("mpi4py Allreduce", "mpi4py Allreduce IN_PLACE")
             assert e["busbw_GBps_min"] <= e["busbw_GBps_median"] <= e["busbw_GBps_max"]
             assert len(e["vs_allreduce_per_round"]) == 3
     assert max(report["sizes"]) >= 4 * 2**20  # the targets' sizes are measured

@@ -1,10 +1,14 @@
 """Runs inside every rank of `mpirun -np N`: allreduce timings for each contender and size.
 
-Rounds alternate the contenders (Horovod, mpi4py's Allreduce, the hand-written ring, then
-memcpy on rank 0 alone); within its turn a contender runs every size. Each rank times its own
-calls and the slowest rank's time counts, since a collective is done when its last rank is.
-Horovod runs only during its own turn (its idle thread would tax the others). Rank 0 writes
-every raw timing to the JSON file given.
+Rounds alternate the contenders (Horovod, mpi4py's Allreduce out of place and in place, the
+hand-written ring, then memcpy on rank 0 alone); within its turn a contender runs every size.
+Each rank times its own calls and the slowest rank's time counts, since a collective is done
+when its last rank is. Horovod runs only during its own turn (its idle thread would tax the
+others). After its timed calls each collective is checked: one more call on a fresh buffer
+must give, on every rank, exactly the sum every rank computes locally from all ranks' inputs
+(whole numbers in float32, so the sum is exact in any order). memcpy copies a buffer twice the
+last-level cache, so it measures memory, not cache. Rank 0 writes every raw timing, the check
+and every rank's Cpus_allowed_list to the JSON file given.
 
     mpirun -np N python -m ringtrain.bench.allreduce_worker OUT ROUNDS SIZES BUDGET MAX_ITERS
 """
@@ -12,17 +16,24 @@ every raw timing to the JSON file given.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
+from pathlib import Path
 
 import numpy as np
 
 from ringtrain import runtime
-from ringtrain.bench.common import horovod_running, idle_barrier
+from ringtrain.bench.common import (
+    horovod_running,
+    idle_barrier,
+    ranks_cpus_allowed,
+    settings_in_force,
+)
 from ringtrain.bench.ring import ring_allreduce
+
+Collective = Callable[[], object]  # one call; returns the reduced array (or tensor)
 
 
 def iterations(nbytes: int, budget: int, max_iters: int) -> int:
@@ -30,7 +41,23 @@ def iterations(nbytes: int, budget: int, max_iters: int) -> int:
     return int(min(max_iters, max(5, budget // nbytes)))
 
 
-def _slowest_rank_seconds(comm, op: Callable[[], object], iters: int) -> float:
+def payload(rank: int, nbytes: int) -> np.ndarray:
+    """A rank's input: whole numbers below 1024 as float32, whose sums are exact in any order."""
+    rng = np.random.default_rng(rank)
+    return rng.integers(0, 1024, nbytes // 4).astype(np.float32)
+
+
+def last_level_cache_bytes() -> int:
+    """The largest cache of cpu0, from sysfs (0 where it cannot be read)."""
+    sizes = []
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = entry.read_text().strip()
+        scale = {"K": 1024, "M": 1024 * 1024}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KM")) * scale)
+    return max(sizes, default=0)
+
+
+def _slowest_rank_seconds(comm, op: Collective, iters: int) -> float:
     from mpi4py import MPI
 
     op()  # first touch of the pages, Horovod's first negotiation
@@ -43,20 +70,22 @@ def _slowest_rank_seconds(comm, op: Callable[[], object], iters: int) -> float:
     return float(mine[0])
 
 
-def _memcpy_seconds(comm, array: np.ndarray, iters: int) -> float | None:
+def _memcpy_seconds(comm, nbytes: int, iters: int) -> float | None:
     """np.copyto on rank 0 while the others sleep: one core's memory bandwidth."""
+    seconds = None
     if comm.Get_rank() == 0:
-        target = np.empty_like(array)
-        np.copyto(target, array)
+        source = payload(0, nbytes)
+        target = np.empty_like(source)
+        np.copyto(target, source)
         start = time.perf_counter()
         for _ in range(iters):
-            np.copyto(target, array)
+            np.copyto(target, source)
         seconds = (time.perf_counter() - start) / iters
     idle_barrier(comm)
-    return seconds if comm.Get_rank() == 0 else None
+    return seconds
 
 
-def _horovod(comm, array: np.ndarray) -> Callable[[], object]:
+def _horovod(comm, array: np.ndarray) -> Collective:
     import horovod.tensorflow as hvd
     import tensorflow as tf
 
@@ -64,67 +93,113 @@ def _horovod(comm, array: np.ndarray) -> Callable[[], object]:
     return lambda: hvd.allreduce(tensor, op=hvd.Sum)
 
 
-def _mpi_allreduce(comm, array: np.ndarray) -> Callable[[], object]:
+def _mpi_out_of_place(comm, array: np.ndarray) -> Collective:
     from mpi4py import MPI
 
     received = np.empty_like(array)
-    return lambda: comm.Allreduce(array, received, op=MPI.SUM)
+
+    def op() -> np.ndarray:
+        comm.Allreduce(array, received, op=MPI.SUM)
+        return received
+
+    return op
 
 
-def _ring(comm, array: np.ndarray) -> Callable[[], object]:
+def _mpi_in_place(comm, array: np.ndarray) -> Collective:
+    """The sum replaces the buffer: no second buffer, no copy. Over the timed calls the values
+    grow to inf, which SIMD adds at full speed; the check makes a fresh buffer."""
+    from mpi4py import MPI
+
+    buffer = array.copy()
+
+    def op() -> np.ndarray:
+        comm.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)
+        return buffer
+
+    return op
+
+
+def _ring(comm, array: np.ndarray) -> Collective:
     return lambda: ring_allreduce(comm, array)
 
 
-COLLECTIVES = {"horovod": _horovod, "mpi4py Allreduce": _mpi_allreduce, "ring": _ring}
+COLLECTIVES = {
+    "horovod": _horovod,
+    "mpi4py Allreduce": _mpi_out_of_place,
+    "mpi4py Allreduce IN_PLACE": _mpi_in_place,
+    "ring": _ring,
+}
 
 
-def _one_round(comm, arrays: dict[int, np.ndarray], budget: int, max_iters: int) -> list[dict]:
+def _check(name: str, make, comm, array: np.ndarray, expected: np.ndarray) -> str | None:
+    """None if a fresh call gives exactly the expected sum on this rank, else what went wrong."""
+    got = np.asarray(make(comm, array)())
+    if got.shape == expected.shape and np.array_equal(got, expected):
+        return None
+    wrong = int(np.sum(got != expected)) if got.shape == expected.shape else got.size
+    return (
+        f"{name}, {array.nbytes} bytes, rank {comm.Get_rank()}: {wrong} of {expected.size} "
+        "elements differ from the locally computed sum"
+    )
+
+
+def _one_round(comm, inputs: dict, budget: int, max_iters: int, checks: list) -> list[dict]:
+    """Every collective at every size, each checked after its timed calls."""
     rows = []
     for name, make in COLLECTIVES.items():
         with horovod_running(comm) if name == "horovod" else nullcontext():
-            for nbytes, array in arrays.items():
+            for nbytes, (array, expected) in inputs.items():
                 iters = iterations(nbytes, budget, max_iters)
                 seconds = _slowest_rank_seconds(comm, make(comm, array), iters)
+                checks.append(_check(name, make, comm, array, expected))
                 rows.append(
                     {"contender": name, "bytes": nbytes, "iters": iters, "seconds": seconds}
                 )
-    for nbytes, array in arrays.items():
-        iters = iterations(nbytes, budget, max_iters)
-        seconds = _memcpy_seconds(comm, array, iters)
-        rows.append({"contender": "memcpy", "bytes": nbytes, "iters": iters, "seconds": seconds})
     return rows
+
+
+def _memcpy_rows(comm, budget: int, max_iters: int) -> list[dict]:
+    """One copy of twice the last-level cache; none where the cache size is unknown, since a
+    copy that fits in cache would pass for memory bandwidth."""
+    nbytes = 2 * last_level_cache_bytes()
+    if not nbytes:
+        return []
+    iters = iterations(nbytes, budget, max_iters)
+    seconds = _memcpy_seconds(comm, nbytes, iters)
+    return [{"contender": "memcpy", "bytes": nbytes, "iters": iters, "seconds": seconds}]
 
 
 def main(out_path: str, rounds: int, sizes: list[int], budget: int, max_iters: int) -> None:
     world = runtime.start(with_horovod=False)
     import tensorflow as tf
 
-    rng = np.random.default_rng(world.rank)
-    arrays = {n: rng.random(n // 4, dtype=np.float32) for n in sizes}
-    rows = []
+    inputs = {
+        n: (payload(world.rank, n), sum(payload(r, n) for r in range(world.size))) for n in sizes
+    }
+    rows, checks = [], []
     for round_index in range(rounds):
-        rows += [
-            {"round": round_index, **r} for r in _one_round(world.comm, arrays, budget, max_iters)
-        ]
+        measured = _one_round(world.comm, inputs, budget, max_iters, checks)
+        measured += _memcpy_rows(world.comm, budget, max_iters)
+        rows += [{"round": round_index, **r} for r in measured]
+    failures = world.comm.gather([c for c in checks if c is not None], root=0)
+    cpus = ranks_cpus_allowed(world.comm)
     if world.rank == 0:
-        settings = (
-            "HOROVOD_CYCLE_TIME",
-            "HOROVOD_FUSION_THRESHOLD",
-            "OMPI_MCA_mpi_yield_when_idle",
-        )
-        with open(out_path, "w") as out:
-            json.dump(
-                {
-                    "ranks": world.size,
-                    "rows": rows,
-                    "threads": {
-                        "intra_op": tf.config.threading.get_intra_op_parallelism_threads(),
-                        "inter_op": tf.config.threading.get_inter_op_parallelism_threads(),
-                    },
-                    "environment": {k: os.environ.get(k) for k in settings},
-                },
-                out,
-            )
+        report = {
+            "ranks": world.size,
+            "rows": rows,
+            "self_check": {
+                "checked": len(checks) * world.size,
+                "failures": [f for per_rank in failures for f in per_rank],
+            },
+            "cpus_allowed_list": cpus,
+            "last_level_cache_bytes": last_level_cache_bytes(),
+            "threads": {
+                "intra_op": tf.config.threading.get_intra_op_parallelism_threads(),
+                "inter_op": tf.config.threading.get_inter_op_parallelism_threads(),
+            },
+            "environment": settings_in_force(),
+        }
+        Path(out_path).write_text(json.dumps(report))
 
 
 if __name__ == "__main__":

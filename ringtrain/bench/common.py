@@ -3,8 +3,9 @@
 Parent side: the `bench` subparser and its dispatch, mpirun commands with the root and thread
 environment, subprocesses that cannot outlive their deadline, machine facts and versions, and
 the summaries of alternating rounds (medians, ranges, ratios matched round by round).
-Rank side: waits that sleep instead of spinning, Horovod switched on only while measured, and
-the one-line JSON protocol of the long-lived benchmark drivers.
+Rank side: waits that sleep instead of spinning, Horovod switched on only while measured, the
+one-line JSON protocol of the long-lived benchmark drivers, and what each process may run on
+(its Cpus_allowed_list) and the settings in force, recorded as proof of how it was pinned.
 """
 
 from __future__ import annotations
@@ -46,6 +47,11 @@ BENCHES = {
         "allreduce bandwidth: Horovod, mpi4py, a hand-written ring, memcpy",
         5,
     ),
+    "dp": (
+        "ringtrain.bench.roofline",
+        "data parallelism against its roofline on three workloads, and plain Horovod",
+        5,
+    ),
 }
 PROTOCOL = "@bench "  # marks driver replies among whatever else a rank prints on stdout
 
@@ -70,7 +76,7 @@ def _rounds(text: str) -> int:
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """One subcommand per benchmark, all with the same flags."""
     sub = parser.add_subparsers(dest="bench", required=True, parser_class=type(parser))
-    for name, (_, purpose, full_rounds) in BENCHES.items():
+    for name, (module, purpose, full_rounds) in BENCHES.items():
         p = sub.add_parser(name, help=purpose, description=purpose, prog=f"{parser.prog} {name}")
         p.add_argument("--quick", action="store_true", help="a smoke run (under 3 minutes)")
         p.add_argument(
@@ -79,6 +85,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--out", default=str(RESULTS / f"{name}.json"), help="raw and summary JSON")
         p.add_argument("--png", default=str(RESULTS / f"{name}.png"), help="the chart")
         p.set_defaults(prog=p.prog)
+        more = getattr(importlib.import_module(module), "add_arguments", None)
+        if more is not None:  # a bench's own flags
+            more(p)
 
 
 def _prepare_outputs(args: argparse.Namespace) -> None:
@@ -185,12 +194,14 @@ def mpi_env(threads: int) -> dict[str, str]:
     return {**os.environ, **ROOT_OK, **QUIET, **network, "RINGTRAIN_THREADS": str(threads)}
 
 
-def mpirun_command(ranks: int, module: str, *args: str) -> list[str]:
+def mpirun_command(ranks: int, module: str, *args: str, binding: str | None = None) -> list[str]:
     """`mpirun` running a Python module in every rank (oversubscription allowed: the benches
-    run more ranks than cores on purpose, and say so)."""
+    run more ranks than cores on purpose, and say so). binding, if given, is `--bind-to`'s
+    value; without it Open MPI binds as it likes (to a core each for up to 2 ranks)."""
     return [
         "mpirun",
         "--oversubscribe",
+        *(binding_flags(binding) if binding else []),
         "-np",
         str(ranks),
         "-x",
@@ -200,6 +211,24 @@ def mpirun_command(ranks: int, module: str, *args: str) -> list[str]:
         module,
         *args,
     ]
+
+
+def binding_flags(binding: str) -> list[str]:
+    """The mpirun flags for a `--bind-to` value, also recorded in the benches' JSON."""
+    return ["--bind-to", binding]
+
+
+UNBOUND = "none"  # the `--bind-to` value of the strategies and allreduce benches
+
+
+def pinning() -> dict:
+    """The one pinning rule of the strategies and allreduce benches, for their JSON."""
+    return {
+        "rule": "nobody is bound: every process of every contender may run on every core and "
+        "the kernel places its threads (mpirun gets --bind-to none; TensorFlow's processes are "
+        "started unbound); each process's Cpus_allowed_list is recorded as proof",
+        "mpirun_flags": binding_flags(UNBOUND),
+    }
 
 
 def _processes() -> dict[int, tuple[int, float]]:
@@ -311,6 +340,34 @@ def summarise_contenders(
 
 
 # ---- inside the ranks ---------------------------------------------------------------------
+
+
+SETTINGS = (  # environment that changes the numbers, as the measured processes see it
+    "HOROVOD_CYCLE_TIME",
+    "HOROVOD_FUSION_THRESHOLD",
+    "OMPI_MCA_mpi_yield_when_idle",
+    "RINGTRAIN_THREADS",
+)
+
+
+def settings_in_force() -> dict[str, str | None]:
+    """The SETTINGS as this process has them (ringtrain's start-up fills in some defaults)."""
+    return {name: os.environ.get(name) for name in SETTINGS}
+
+
+def cpus_allowed(pid: int | str = "self") -> str:
+    """The cores a process may run on, as /proc/<pid>/status lists them ("0-1", "0"...)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return "unknown"
+    found = (ln.split(":", 1)[1].strip() for ln in status if ln.startswith("Cpus_allowed_list"))
+    return next(found, "unknown")
+
+
+def ranks_cpus_allowed(comm) -> list[str]:
+    """Every rank's Cpus_allowed_list, in rank order, at rank 0 (None elsewhere)."""
+    return comm.gather(cpus_allowed(), root=0)
 
 
 def idle_wait(request) -> None:

@@ -5,7 +5,17 @@ Every contender lives in its own long-lived processes, started once; then the co
 turns, round after round, each measuring `steps` steps while all others sit idle (blocked on a
 pipe; the CPU time they use meanwhile is recorded as a check). Thread pools are 1 intra-op and
 1 inter-op per process, so 2 processes on 2 cores are fair against 1 process on 1 core; where
-a TensorFlow strategy cannot run that way it gets what it needs, and the JSON says so.
+a TensorFlow strategy cannot run that way, or is tuned to run faster, it gets what it needs,
+and the JSON says so.
+
+Pinning, one rule for all: nobody is bound. mpirun starts ringtrain's ranks and the all-cores
+process with `--bind-to none`, TensorFlow's processes are started unbound, and every process
+reports its Cpus_allowed_list, which the JSON keeps per contender.
+
+MultiWorkerMirrored runs twice: stock, as its guide builds it, and tuned, as a user chasing
+speed would set it up (ringtrain's numpy feed, no loss collective per step), with the
+collective implementation and inter-op threads picked by a sweep before the rounds.
+ParameterServer is asynchronous, so it is not the same computation, and is labelled so.
 """
 
 from __future__ import annotations
@@ -19,20 +29,25 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from pathlib import Path
 from queue import Empty, Queue
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from ringtrain.bench.common import (
     PROTOCOL,
     QUIET,
+    UNBOUND,
     RunFailed,
     deadline,
     end_session,
     last_words,
     mpi_env,
     mpirun_command,
+    pinning,
     round_ratios,
     session_cpu_seconds,
     spread,
@@ -50,10 +65,15 @@ SAMPLES, SHAPE, CLASSES = 1024, (32, 32, 3), 10
 # it; the 2-rank contenders (and SINGLE, on rank 0) share one mpirun, ALL_CORES has its own.
 SINGLE, DP, FIT, PIPELINE = "single", "data custom", "data fit", "pipeline 1f1b M=8"
 ALL_CORES = "single all cores"
-MWMS, PS, MIRRORED = "TF MultiWorkerMirrored", "TF ParameterServer", "TF Mirrored"
+MWMS, MWMS_TUNED = "TF MultiWorkerMirrored stock", "TF MultiWorkerMirrored tuned"
+PS, MIRRORED = "TF ParameterServer (asynchronous)", "TF Mirrored"
+# MWMS tuned's sweep: (collective implementation, inter-op threads); the fastest is kept. Quick
+# runs sweep the threads only, with RING (what AUTO resolves to on CPUs without NCCL).
+TUNING = [(impl, inter) for impl in ("RING", "AUTO") for inter in (1, 2)]
+QUICK_TUNING = [("RING", 1), ("RING", 2)]
 TARGETS = {  # name -> (the ratio it reads, threshold)
     "dp_efficiency_at_least_0.93": (f"{DP} efficiency", 0.93),
-    "dp_at_least_1.05x_mwms": (f"{DP} / {MWMS}", 1.05),
+    "dp_at_least_1.05x_mwms": (f"{DP} / {MWMS_TUNED}", 1.05),
     "dp_at_least_1.15x_ps": (f"{DP} / {PS}", 1.15),
 }
 CORES = os.cpu_count() or 1
@@ -62,6 +82,7 @@ THREADS = {
     "ringtrain rank": (1, 1, "RINGTRAIN_THREADS=1 in each of the 2 ranks"),
     "all-cores process": (CORES, CORES, "ringtrain's rule for one rank: the whole machine"),
     "mwms worker": (1, 1, "one thread per worker process, like ringtrain's ranks"),
+    "mwms tuned worker": (1, 0, "inter-op 1 or 2, whichever the sweep found faster"),
     "mirrored": (1, 2, "with 1 inter-op thread MirroredStrategy runs its 2 replicas in turn"),
     "ps worker": (1, 2, "ParameterServerStrategy workers hang with 1 inter-op thread"),
     "ps server": (1, 1, "holds the variables and applies the updates"),
@@ -74,6 +95,7 @@ PROCESSES = {  # contender -> [(how many, process kind)] while it runs
     PIPELINE: [(2, "ringtrain rank")],
     ALL_CORES: [(1, "all-cores process")],
     MWMS: [(2, "mwms worker")],
+    MWMS_TUNED: [(2, "mwms tuned worker")],
     PS: [(1, "ps coordinator"), (1, "ps server"), (2, "ps worker")],
     MIRRORED: [(1, "mirrored")],
 }
@@ -83,9 +105,14 @@ NOTES = {  # what each contender's step is, where it is not obvious
     FIT: "model.fit with ringtrain's distributed_optimizer and BroadcastInitialState",
     PIPELINE: "ringtrain's pipeline executor, 2 stages, 1F1B, 8 microbatches of 8",
     ALL_CORES: "ringtrain's custom loop, one process, thread pools sized to every core",
-    MWMS: "strategy.run in a tf.function, RING collectives over gRPC, loss reduced per step",
-    PS: "ClusterCoordinator.schedule: asynchronous, each step one update from 64 examples on "
-    "one worker, both workers stepping at once",
+    MWMS: "stock: strategy.run in a tf.function, RING collectives over gRPC, a tf.data input, "
+    "the loss reduced in a second collective every step",
+    MWMS_TUNED: "tuned: strategy.run in a tf.function fed numpy slices (ringtrain's feed), "
+    "each step's loss kept per worker and summed across workers in one strategy.reduce when "
+    "read, after the timed steps; implementation and inter-op threads from a sweep "
+    "(mwms_tuning)",
+    PS: "ASYNCHRONOUS, not the same computation: ClusterCoordinator.schedule, each step one "
+    "update from 64 examples on one worker, both workers stepping at once",
     MIRRORED: "strategy.run in a tf.function over 2 logical CPU devices of one process",
 }
 RINGTRAIN_GROUPS = ("ringtrain", "all cores")  # must work; a TF group may fail, with a reason
@@ -98,6 +125,15 @@ def workload() -> tuple[Dataset, ModelSpec]:
 
     data = load_synthetic(SAMPLES, SHAPE, CLASSES, seed=SEED)
     return data, cnn(data.input_shape, data.n_classes)
+
+
+def batch_stream(n_examples: int, count: int) -> np.ndarray:
+    """The first `count` global batches of the shared order, across epochs as needed."""
+    from ringtrain.data import epoch_batches
+
+    per_epoch = n_examples // BATCH
+    epochs = [epoch_batches(n_examples, BATCH, SEED, e) for e in range(-(-count // per_epoch))]
+    return np.concatenate(epochs)[:count]
 
 
 # ---- the processes the parent drives ------------------------------------------------------
@@ -144,9 +180,17 @@ class Group:
     """The processes behind some contenders: the first `talkers` take commands, the rest
     (parameter servers, PS workers) only serve."""
 
-    def __init__(self, name: str, contenders: list[str], processes: list[Process], talkers: int):
+    def __init__(
+        self,
+        name: str,
+        contenders: list[str],
+        processes: list[Process],
+        talkers: int,
+        settings: dict | None = None,
+    ):
         self.name, self.contenders, self.processes = name, contenders, processes
         self.talkers = processes[:talkers]
+        self.settings = settings or {}  # a tuning candidate's settings
         self.ready: list[dict] = []
 
     def wait_ready(self, until: float) -> None:
@@ -182,13 +226,18 @@ def free_ports(count: int) -> list[int]:
             s.close()
 
 
-def _tf(role: str, kind: str, logs: Path, cluster: dict | None = None, task=None) -> Process:
-    """A TensorFlow process; cluster and task become its TF_CONFIG."""
+def _tf(
+    role: str, kind: str, logs: Path, cluster: dict | None = None, task=None, *tuned: str
+) -> Process:
+    """A TensorFlow process, unbound like every contender; cluster and task become its
+    TF_CONFIG; tuned, if given, is (label, inter-op threads, collective implementation)."""
     env = {**os.environ, **QUIET}
     if cluster is not None:
         env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": task})
     label = kind if task is None or task["type"] == "chief" else f"{kind} {task['index']}"
     intra, inter, _ = THREADS[kind]
+    if tuned:
+        label, inter = f"{label} {tuned[0]}", int(tuned[1])
     cmd = [
         sys.executable,
         "-m",
@@ -196,6 +245,7 @@ def _tf(role: str, kind: str, logs: Path, cluster: dict | None = None, task=None
         role,
         str(intra),
         str(inter),
+        *tuned[2:],
     ]
     return Process(label, cmd, env, logs)
 
@@ -205,15 +255,33 @@ def _cluster(**jobs: int) -> dict[str, list[str]]:
     return {job: [f"localhost:{next(ports)}" for _ in range(n)] for job, n in jobs.items()}
 
 
-def start_groups(logs: Path) -> list[Group]:
-    """Every contender's processes, started at once; each says when it is traced and ready."""
+def _mwms_group(logs: Path, implementation: str | None = None, inter: int = 1) -> Group:
+    """Stock MWMS (no implementation given), or one candidate of the tuned sweep."""
+    cluster = _cluster(worker=2)
+    tasks = [{"type": "worker", "index": i} for i in range(2)]
+    if implementation is None:
+        workers = [_tf("mwms", "mwms worker", logs, cluster, task) for task in tasks]
+        return Group("mwms stock", [MWMS], workers, 2)
+    label = f"{implementation} inter-op {inter}"
+    tuned = (label, str(inter), implementation)
+    workers = [_tf("mwms-tuned", "mwms tuned worker", logs, cluster, t, *tuned) for t in tasks]
+    settings = {"implementation": implementation, "inter_op": inter}
+    return Group(f"mwms tuned {label}", [MWMS_TUNED], workers, 2, settings)
+
+
+def start_groups(logs: Path, tuning: list[tuple[str, int]]) -> list[Group]:
+    """Every contender's processes (and every MWMS tuning candidate's), started at once; each
+    says when it is traced and ready."""
     worker = "ringtrain.bench.strategies_worker"
-    ranks = Process("ringtrain ranks", mpirun_command(2, worker, "ranks"), mpi_env(1), logs)
-    alone = Process(
-        "all-cores process", mpirun_command(1, worker, "all-cores"), mpi_env(CORES), logs
+    ranks = Process(
+        "ringtrain ranks", mpirun_command(2, worker, "ranks", binding=UNBOUND), mpi_env(1), logs
     )
-    mw = _cluster(worker=2)
-    mwms = [_tf("mwms", "mwms worker", logs, mw, {"type": "worker", "index": i}) for i in range(2)]
+    alone = Process(
+        "all-cores process",
+        mpirun_command(1, worker, "all-cores", binding=UNBOUND),
+        mpi_env(CORES),
+        logs,
+    )
     ps = _cluster(chief=1, worker=2, ps=1)
     parameter_servers = [
         _tf("ps-coordinator", "ps coordinator", logs, ps, {"type": "chief", "index": 0}),
@@ -223,7 +291,8 @@ def start_groups(logs: Path) -> list[Group]:
     return [
         Group("ringtrain", [SINGLE, DP, FIT, PIPELINE], [ranks], 1),
         Group("all cores", [ALL_CORES], [alone], 1),
-        Group("mwms", [MWMS], mwms, 2),
+        _mwms_group(logs),
+        *(_mwms_group(logs, implementation, inter) for implementation, inter in tuning),
         Group("ps", [PS], parameter_servers, 1),
         Group("mirrored", [MIRRORED], [_tf("mirrored", "mirrored", logs)], 1),
     ]
@@ -240,9 +309,10 @@ def measure(args: argparse.Namespace) -> dict:
     rows: list[dict] = []
     failures: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        groups = start_groups(Path(tmp))
+        groups = start_groups(Path(tmp), QUICK_TUNING if args.quick else TUNING)
         try:
             live = [g for g in groups if _survives(g, failures, lambda g=g: g.wait_ready(ready_by))]
+            tuning = tune_mwms(groups, live, failures, steps, limit)
             for round_index in range(args.rounds):
                 for group in list(live):
                     for contender in group.contenders:
@@ -260,11 +330,21 @@ def measure(args: argparse.Namespace) -> dict:
                         row["others_cpu_seconds"] = session_cpu_seconds(others) - before
                         rows.append(row)
         finally:
-            for group in groups:
-                group.close()
+            with ThreadPoolExecutor(len(groups)) as pool:  # all at once: ending takes seconds
+                list(pool.map(Group.close, groups))
+    kept = [g for g in groups if not g.settings or g.settings == tuning["chosen"]]
+    threads = {
+        kind: {"intra_op": intra, "inter_op": inter, "why": why}
+        for kind, (intra, inter, why) in THREADS.items()
+    }
+    threads["mwms tuned worker"]["inter_op"] = (tuning["chosen"] or {}).get("inter_op", 0)
     return summarise(rows, failures) | {
         "rounds": args.rounds,
         "steps_per_measurement": steps,
+        "pinning": pinning(),
+        "cpus_allowed_list": cpus_per_contender(kept),
+        "environment": next(iter(groups[0].ready), {}).get("environment"),
+        "mwms_tuning": tuning,
         "workload": {
             "model": "cnn (ringtrain.models)",
             "input": list(SHAPE),
@@ -272,14 +352,76 @@ def measure(args: argparse.Namespace) -> dict:
             "global_batch": BATCH,
             "optimizer": f"SGD(learning_rate={LR})",
         },
-        "threads": {
-            kind: {"intra_op": intra, "inter_op": inter, "why": why}
-            for kind, (intra, inter, why) in THREADS.items()
-        },
+        "threads": threads,
         "processes_per_contender": PROCESSES,
         "notes": NOTES,
         "ready": {g.name: g.ready for g in groups},
     }
+
+
+def tune_mwms(
+    groups: list[Group], live: list[Group], failures: dict[str, str], steps: int, until: float
+) -> dict:
+    """MWMS tuned's sweep: every candidate runs `steps` steps, twice in alternation; the one
+    with the fastest pass stays as the contender, the others are closed and leave `live`."""
+    candidates = [g for g in groups if g.settings]
+    started = [g for g in candidates if g in live]
+    seconds: dict[str, list[float]] = {g.name: [] for g in candidates}
+    errors = {g.name: failures.get(MWMS_TUNED, "did not start") for g in candidates}
+    for g in started:
+        errors.pop(g.name)
+    for _ in range(2):
+        for g in started:
+            if g.name not in errors:
+                try:
+                    seconds[g.name].append(g.run(MWMS_TUNED, steps, until))
+                except RunFailed as exc:
+                    errors[g.name] = str(exc)
+    working = [g for g in started if g.name not in errors]
+    chosen = min(working, key=lambda g: min(seconds[g.name]), default=None)
+    for g in started:
+        if g is not chosen:
+            g.close()
+            live.remove(g)
+    failures.pop(MWMS_TUNED, None)
+    if chosen is None:
+        failures[MWMS_TUNED] = f"every tuning candidate failed: {errors}"
+    return {
+        "candidates": [
+            g.settings
+            | {
+                "seconds": seconds[g.name],
+                "samples_per_sec_best": BATCH * steps / min(seconds[g.name])
+                if seconds[g.name]
+                else None,
+                "failed": errors.get(g.name),
+            }
+            for g in candidates
+        ],
+        "chosen": chosen.settings if chosen else None,
+        "steps": steps,
+        "rule": "fastest of 2 alternating passes per candidate, before the rounds",
+    }
+
+
+def cpus_per_contender(groups: list[Group]) -> dict[str, list[dict]]:
+    """contender -> each of its processes' Cpus_allowed_list, as the processes reported it
+    (ringtrain's rank 0 reports every rank's; single runs on rank 0 alone)."""
+    found: dict[str, list[dict]] = {}
+    for g in groups:
+        processes = []
+        for ready in g.ready:
+            cpus = ready["cpus_allowed_list"]
+            if isinstance(cpus, list):
+                processes += [
+                    {"process": f"{ready['process']}, rank {i}", "cpus_allowed_list": c}
+                    for i, c in enumerate(cpus)
+                ]
+            else:
+                processes.append({"process": ready["process"], "cpus_allowed_list": cpus})
+        for contender in g.contenders if processes else []:
+            found[contender] = processes[:1] if contender == SINGLE else processes
+    return found
 
 
 def _survives(group: Group, failures: dict[str, str], action, when: str = "") -> bool:
@@ -337,16 +479,30 @@ def _verdict(target: dict) -> str:
 
 def describe(report: dict) -> list[str]:
     lines = [
-        f"{e['contender']:>24}: {e['samples_per_sec_median']:8.1f} samples/s "
+        f"{e['contender']:>33}: {e['samples_per_sec_median']:8.1f} samples/s "
         f"({e['samples_per_sec_min']:.0f}-{e['samples_per_sec_max']:.0f})"
         for e in report["summary"]
     ]
-    lines += [f"{name:>40}: {r['median']:.3f}" for name, r in report["ratios"].items()]
+    lines += [f"{name:>47}: {r['median']:.3f}" for name, r in report["ratios"].items()]
     lines += [
         f"target {name} (>= {t['threshold']}): {_verdict(t)}"
         for name, t in report["targets"].items()
     ]
     lines += [f"failed: {name}: {why}" for name, why in report["failures"].items()]
+    tuning = report["mwms_tuning"]
+    tried = ", ".join(
+        f"{c['implementation']} inter-op {c['inter_op']}: "
+        + (f"{c['samples_per_sec_best']:.0f}/s" if c["samples_per_sec_best"] else "failed")
+        for c in tuning["candidates"]
+    )
+    lines.append(f"{MWMS_TUNED} chose {tuning['chosen']} of {tried}")
+    cpus = {
+        c: sorted({p["cpus_allowed_list"] for p in ps})
+        for c, ps in report["cpus_allowed_list"].items()
+    }
+    lines.append(
+        f"pinning: {' '.join(report['pinning']['mpirun_flags'])}; Cpus_allowed_list {cpus}"
+    )
     return lines
 
 

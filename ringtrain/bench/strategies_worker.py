@@ -1,15 +1,16 @@
 """ringtrain's contenders in `ringtrain bench strategies`, one measurement per command.
 
-    mpirun -np 2 python -m ringtrain.bench.strategies_worker ranks
+    mpirun --bind-to none -np 2 python -m ringtrain.bench.strategies_worker ranks
         single (rank 0, 1 thread), data parallel (custom loop and fit), pipeline (1F1B, M=8)
-    mpirun -np 1 python -m ringtrain.bench.strategies_worker all-cores
-        one process with every core
+    mpirun --bind-to none -np 1 python -m ringtrain.bench.strategies_worker all-cores
+        one process with every core (unbound, so it may really use them)
 
 The ranks stay up for the whole benchmark, so start-up and tracing are paid once and the
 contenders can alternate with TensorFlow's strategies in other processes. Rank 0 reads a
 command from stdin (the parent's pipe, which mpirun forwards to rank 0), passes it on with a
 broadcast the other rank waits for asleep, and replies with the time of `steps` steps that
-follow one untimed step. Horovod runs only while a data-parallel contender is measured.
+follow one untimed step. Horovod runs only while a data-parallel contender is measured. The
+ready reply carries every rank's Cpus_allowed_list and the settings the ranks run with.
 """
 
 from __future__ import annotations
@@ -23,7 +24,14 @@ from dataclasses import replace
 import numpy as np
 
 from ringtrain import log, runtime
-from ringtrain.bench.common import horovod_running, idle_wait, read_command, reply
+from ringtrain.bench.common import (
+    horovod_running,
+    idle_wait,
+    ranks_cpus_allowed,
+    read_command,
+    reply,
+    settings_in_force,
+)
 from ringtrain.bench.strategies import (
     ALL_CORES,
     BATCH,
@@ -33,21 +41,15 @@ from ringtrain.bench.strategies import (
     PIPELINE,
     SEED,
     SINGLE,
+    batch_stream,
     workload,
 )
 from ringtrain.config import TrainConfig
-from ringtrain.data import Dataset, epoch_batches, shard
+from ringtrain.data import Dataset, shard
 from ringtrain.loop import Engine
 from ringtrain.models import ModelSpec
 
 Runner = Callable[[int], float]  # steps -> seconds they took
-
-
-def batch_stream(n_examples: int, count: int) -> np.ndarray:
-    """The first `count` global batches of the shared order, across epochs as needed."""
-    per_epoch = n_examples // BATCH
-    epochs = [epoch_batches(n_examples, BATCH, SEED, e) for e in range(-(-count // per_epoch))]
-    return np.concatenate(epochs)[:count]
 
 
 def engine_runner(engine: Engine, data: Dataset) -> Runner:
@@ -153,12 +155,22 @@ def main(kind: str) -> None:
         if run is not None and not horovod:
             run(1)  # trace outside any timing
     names = list(runners)
+    cpus = ranks_cpus_allowed(world.comm)
     if world.rank == 0:
         threads = {
             "intra_op": tf.config.threading.get_intra_op_parallelism_threads(),
             "inter_op": tf.config.threading.get_inter_op_parallelism_threads(),
         }
-        reply({"ready": True, "contenders": names, "ranks": world.size, "threads": threads})
+        reply(
+            {
+                "ready": True,
+                "contenders": names,
+                "ranks": world.size,
+                "threads": threads,
+                "cpus_allowed_list": cpus,
+                "environment": settings_in_force(),
+            }
+        )
     command = np.zeros(2, np.int64)  # contender index (-1: quit), steps
     while True:
         if world.rank == 0:
