@@ -32,8 +32,7 @@ def test_bench_dp_quick_reports_the_roofline_beside_every_contender(tmp_path):
         assert set(row["ringtrain breakdown"]) >= {"learning_rate", "step", "stop_agreement"}
     ms = cnn["ms"]
     assert ms["no-overlap limit"] == pytest.approx(
-        ms["compute per rank"]
-        + min(ms["MPI_Allreduce in place"], ms["MPI_Allreduce out of place"])
+        ms["compute per rank"] + min(ms["MPI_Allreduce in place"], ms["MPI_Allreduce out of place"])
     )
     trace = cnn["overlap_trace"]
     assert len(trace["bucket_arrival_ms"]) == cnn["buckets"] >= 1
