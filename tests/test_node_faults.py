@@ -40,7 +40,7 @@ from ringtrain.launch.network import mpirun_flags
 CLI = str(BIN / "ringtrain")
 STATE = cluster_layout.STATE_DIR
 CIDR = cluster_layout.DEFAULT_SUBNET
-TIMEOUT = 10  # --comm-timeout; --startup-timeout covers start-up and the first step's tracing
+TIMEOUT = 20  # --comm-timeout, above the launchers' 11 s keepalive (see the README)
 BOUND = TIMEOUT + 30
 JOB_PROGRAMS = ("python", "ringtrain", "orted", "srun", "slurmstepd", "mpirun", "slurm_script")
 KEEPALIVE = " ".join(f"--mca {k} {v}" for k, v in KEEPALIVE_MCA.items())

@@ -50,9 +50,11 @@ def inject(name: str, fault: str) -> str:
     if spec.slurm:
         cluster = control.slurm_cluster(layout)
         slurm_node = next(n for n in control.slurm_nodes(layout) if n.name == name)
-        if cluster.slurmd_pid(slurm_node) is None:
-            cluster.start_slurmd(slurm_node)
-            restarted.append("slurmd")
+        alive = cluster.slurmd_pid(slurm_node)
+        if alive is not None:  # partitioned: register now, not at slurmctld's next ping
+            end_processes([alive], grace=5)  # (every SlurmdTimeout/3; 100 s by default)
+        cluster.start_slurmd(slurm_node)
+        restarted.append("slurmd")
         _wait_until_serving(cluster, name)
     return f"{name}: link up" + (f", {' and '.join(restarted)} restarted" if restarted else "")
 
