@@ -36,7 +36,6 @@ CONTENDERS = [
     "plain Horovod",
 ]
 STEPS, QUICK_STEPS = 30, 5
-ENVIRONMENT = ("HOROVOD_", "OMPI_MCA_", "RINGTRAIN_")  # the settings the numbers depend on
 
 
 @dataclass(frozen=True)

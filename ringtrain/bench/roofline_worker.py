@@ -19,14 +19,16 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from ringtrain import log, runtime
-from ringtrain.bench.common import horovod_running, idle_barrier
-from ringtrain.bench.roofline import BUCKET_MB, CONTENDERS, ENVIRONMENT, WORKLOADS, Workload
+from ringtrain.bench.common import cpus_allowed, horovod_running, idle_barrier, settings_in_force
+from ringtrain.bench.roofline import BUCKET_MB, CONTENDERS, WORKLOADS, Workload
 from ringtrain.config import TrainConfig
 from ringtrain.data import Dataset, epoch_batches, load_synthetic, shard
 
@@ -141,12 +143,23 @@ def overlap_trace(engine, stream: np.ndarray, steps: int = 5) -> dict:
     return traces[len(traces) // 2]
 
 
-def cpus_allowed() -> str:
-    """The cores this rank may run on: every contender runs in these same two ranks."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("Cpus_allowed_list:"):
-            return line.split(":", 1)[1].strip()
-    return ""
+@contextmanager
+def horovod_settings(**values: str | None) -> Iterator[None]:
+    """Environment for the next hvd.init (None: unset, so Horovod's default applies)."""
+    before = {k: os.environ.get(k) for k in values}
+    _set(values)
+    try:
+        yield
+    finally:
+        _set(before)
+
+
+def _set(values: dict[str, str | None]) -> None:
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 def timeline_ms(path: str, steps: int) -> dict[str, float]:
@@ -178,6 +191,7 @@ def measure(workload: Workload, rounds: int, steps: int, out: str) -> None:
 
     from ringtrain.dataparallel.engine import DataParallelEngine
 
+    users_cycle = os.environ.get("HOROVOD_CYCLE_TIME")  # before ringtrain's default fills it
     world = runtime.start(with_horovod=False)
     data = load_synthetic(workload.samples, workload.shape, 10, SEED)
     spec = workload.spec(data)
@@ -231,17 +245,17 @@ def measure(workload: Workload, rounds: int, steps: int, out: str) -> None:
                     f"MPI_Allreduce {k}": v
                     for k, v in allreduce_ms(world.comm, grad_bytes, 5).items()
                 }
+            elif name == "plain Horovod":  # as a Horovod user runs it: Horovod's defaults
+                stock = horovod_settings(HOROVOD_CYCLE_TIME=users_cycle)
+                with stock, horovod_running(world.comm):
+                    row[name] = timed_steps(plain, stream)
             else:
                 with horovod_running(world.comm):
-                    if name == "plain Horovod":
-                        row[name] = timed_steps(plain, stream)
-                    else:
-                        ms, phases = ringtrain_loop(engines[name], data, cfg, world)
-                        row[name], row[f"{name} breakdown"] = ms, phases
+                    ms, phases = ringtrain_loop(engines[name], data, cfg, world)
+                row[name], row[f"{name} breakdown"] = ms, phases
         rows.append(row)
     link = link_rate_mb_s(world.comm)
-    os.environ["HOROVOD_TIMELINE"] = "DYNAMIC"  # read at init; only this last init records
-    with horovod_running(world.comm) as hvd:
+    with horovod_settings(HOROVOD_TIMELINE="DYNAMIC"), horovod_running(world.comm) as hvd:
         trace = overlap_trace(engines["ringtrain bucketed"], stream)
         timeline = Path(tempfile.mkdtemp()) / "timeline.json"
         hvd.start_timeline(str(timeline))
@@ -251,7 +265,7 @@ def measure(workload: Workload, rounds: int, steps: int, out: str) -> None:
         {
             "host": MPI.Get_processor_name(),
             "cpus_allowed_list": cpus_allowed(),
-            "environment": {k: v for k, v in os.environ.items() if k.startswith(ENVIRONMENT)},
+            "environment": settings_in_force(),
         }
     )
     if world.rank == 0:
