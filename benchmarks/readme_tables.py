@@ -178,7 +178,7 @@ def dp_table(report: dict) -> str:
         trace = w["overlap_trace"]
         profiles.append(
             f"- {w['workload']}: ringtrain's step {phases}; Horovod's timeline per step: "
-            f"{horovod}; with {w['buckets']} buckets the first average arrived at "
+            f"{horovod}; with {w['buckets']} bucket(s) the first average arrived at "
             f"{trace['bucket_arrival_ms'][0]:.2f} ms and the backward ended at "
             f"{trace['backward_end_ms']:.2f} ms."
         )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import BIN, ENV, ROOT, run
+from conftest import BIN, run
 
 CONTENDERS = ("single", "compute per rank", "ringtrain", "ringtrain bucketed", "plain Horovod")
 
@@ -17,8 +17,6 @@ def test_bench_dp_quick_reports_the_roofline_beside_every_contender(tmp_path):
     done = run(
         [str(BIN / "ringtrain"), "bench", "dp", "--quick", "--workloads", "cnn"]
         + ["--out", str(out), "--png", str(png)],
-        cwd=ROOT,
-        env=ENV,
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
