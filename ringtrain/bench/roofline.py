@@ -234,7 +234,8 @@ def draw(result: dict, path: str) -> None:
 
     names = ["ringtrain", "ringtrain bucketed", "plain Horovod"]
     workloads = result["workloads"]
-    fig, axes = plt.subplots(1, len(workloads), figsize=(4 * len(workloads), 3.5))
+    fig, grid = plt.subplots(1, len(workloads), figsize=(4 * len(workloads), 3.5), squeeze=False)
+    axes = grid[0]
     for ax, w in zip(axes, workloads, strict=True):
         values = [w["ms"][n] for n in names]
         ax.bar(range(len(names)), values, color=["tab:blue", "tab:cyan", "tab:gray"])
