@@ -34,7 +34,9 @@ def step_traffic(engine, microbatches: int) -> int:
     """Bytes one step may move through a rank: its gradients twice (a ring allreduce sends and
     receives about that much), plus, on a pipeline stage, each microbatch's activation and
     gradient buffers."""
-    weights = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in engine.variables)
+    from ringtrain.weights import variable_bytes
+
+    weights = sum(variable_bytes(engine.variables))
     inputs, grads = getattr(engine, "act_in", None), getattr(engine, "grad_in", None)
     per_microbatch = inputs[0].nbytes + grads.nbytes if inputs is not None else 0
     return 2 * weights + microbatches * per_microbatch

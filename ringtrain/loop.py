@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -34,7 +34,8 @@ class Engine(Protocol):
     def load_state(self, state: dict[str, np.ndarray]) -> None: ...
 
 
-class AgreeingEngine(Engine, Protocol):
+@runtime_checkable
+class AgreeingEngine(Protocol):
     """An engine whose step also agrees on stopping (data parallelism folds the stop flag into
     its gradient allreduce), so the loop runs no collective of its own per step."""
 
@@ -85,7 +86,7 @@ def run(
     board = tensorboard.Scalars(cfg.tensorboard) if cfg.tensorboard and world.rank == 0 else None
     stop, link = StopSignal(), Link(world.comm, cfg.comm_timeout)
     step_seconds: list[float] = []
-    agreeing, clock = hasattr(engine, "step_agreeing"), PhaseClock()
+    agreeing, clock = isinstance(engine, AgreeingEngine), PhaseClock()
     accuracy, finished, started = float("nan"), True, time.perf_counter()
     for step in range(first, total):
         epoch, i = divmod(step, per_epoch)

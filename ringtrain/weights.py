@@ -82,6 +82,11 @@ def compare_updates(
     return UpdateComparison(name, ratio, relative, ratio <= 1.0)
 
 
+def variable_bytes(variables: Sequence) -> list[int]:
+    """Each variable's size in bytes: what its gradient moves in an allreduce."""
+    return [int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variables]
+
+
 def replica_checksums(comm, variables) -> list[float]:
     """Every rank's weight checksum, gathered as a buffer, so a test can see all replicas agree."""
     mine = np.array([sum(float(np.sum(np.abs(v.numpy()), dtype=np.float64)) for v in variables)])

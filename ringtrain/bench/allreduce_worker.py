@@ -57,7 +57,7 @@ def last_level_cache_bytes() -> int:
     return max(sizes, default=0)
 
 
-def _slowest_rank_seconds(comm, op: Collective, iters: int) -> float:
+def slowest_rank_seconds(comm, op: Collective, iters: int) -> float:
     from mpi4py import MPI
 
     op()  # first touch of the pages, Horovod's first negotiation
@@ -93,7 +93,7 @@ def _horovod(comm, array: np.ndarray) -> Collective:
     return lambda: hvd.allreduce(tensor, op=hvd.Sum)
 
 
-def _mpi_out_of_place(comm, array: np.ndarray) -> Collective:
+def mpi_out_of_place(comm, array: np.ndarray) -> Collective:
     from mpi4py import MPI
 
     received = np.empty_like(array)
@@ -105,7 +105,7 @@ def _mpi_out_of_place(comm, array: np.ndarray) -> Collective:
     return op
 
 
-def _mpi_in_place(comm, array: np.ndarray) -> Collective:
+def mpi_in_place(comm, array: np.ndarray) -> Collective:
     """The sum replaces the buffer: no second buffer, no copy. Over the timed calls the values
     grow to inf, which SIMD adds at full speed; the check makes a fresh buffer."""
     from mpi4py import MPI
@@ -125,13 +125,13 @@ def _ring(comm, array: np.ndarray) -> Collective:
 
 COLLECTIVES = {
     "horovod": _horovod,
-    "mpi4py Allreduce": _mpi_out_of_place,
-    "mpi4py Allreduce IN_PLACE": _mpi_in_place,
+    "mpi4py Allreduce": mpi_out_of_place,
+    "mpi4py Allreduce IN_PLACE": mpi_in_place,
     "ring": _ring,
 }
 
 
-def _check(name: str, make, comm, array: np.ndarray, expected: np.ndarray) -> str | None:
+def self_check(name: str, make, comm, array: np.ndarray, expected: np.ndarray) -> str | None:
     """None if a fresh call gives exactly the expected sum on this rank, else what went wrong."""
     got = np.asarray(make(comm, array)())
     if got.shape == expected.shape and np.array_equal(got, expected):
@@ -150,8 +150,8 @@ def _one_round(comm, inputs: dict, budget: int, max_iters: int, checks: list) ->
         with horovod_running(comm) if name == "horovod" else nullcontext():
             for nbytes, (array, expected) in inputs.items():
                 iters = iterations(nbytes, budget, max_iters)
-                seconds = _slowest_rank_seconds(comm, make(comm, array), iters)
-                checks.append(_check(name, make, comm, array, expected))
+                seconds = slowest_rank_seconds(comm, make(comm, array), iters)
+                checks.append(self_check(name, make, comm, array, expected))
                 rows.append(
                     {"contender": name, "bytes": nbytes, "iters": iters, "seconds": seconds}
                 )

@@ -25,6 +25,8 @@ from importlib import metadata
 from pathlib import Path
 from statistics import median
 
+import numpy as np
+
 from ringtrain.errors import ProblemsFound, UserError
 
 RESULTS = Path("benchmarks/results")
@@ -368,6 +370,16 @@ def cpus_allowed(pid: int | str = "self") -> str:
 def ranks_cpus_allowed(comm) -> list[str]:
     """Every rank's Cpus_allowed_list, in rank order, at rank 0 (None elsewhere)."""
     return comm.gather(cpus_allowed(), root=0)
+
+
+def batch_stream(n_examples: int, count: int, batch: int, seed: int) -> np.ndarray:
+    """The first `count` global batches of the shared order, across epochs as needed: every
+    contender of a bench trains on the same batches."""
+    from ringtrain.data import epoch_batches
+
+    per_epoch = n_examples // batch
+    epochs = [epoch_batches(n_examples, batch, seed, e) for e in range(-(-count // per_epoch))]
+    return np.concatenate(epochs)[:count]
 
 
 def idle_wait(request) -> None:

@@ -27,18 +27,26 @@ from pathlib import Path
 import numpy as np
 
 from ringtrain import log, runtime
-from ringtrain.bench.common import cpus_allowed, horovod_running, idle_barrier, settings_in_force
+from ringtrain.bench.allreduce_worker import (
+    mpi_in_place,
+    mpi_out_of_place,
+    payload,
+    self_check,
+    slowest_rank_seconds,
+)
+from ringtrain.bench.common import (
+    batch_stream,
+    cpus_allowed,
+    horovod_running,
+    idle_barrier,
+    settings_in_force,
+)
 from ringtrain.bench.roofline import BUCKET_MB, CONTENDERS, WORKLOADS, Workload
 from ringtrain.config import TrainConfig
-from ringtrain.data import Dataset, epoch_batches, load_synthetic, shard
+from ringtrain.data import Dataset, load_synthetic, shard
+from ringtrain.weights import variable_bytes
 
 SEED, LR = 0, 0.01
-
-
-def batch_stream(data: Dataset, batch: int, count: int) -> np.ndarray:
-    per_epoch = len(data.x) // batch
-    epochs = [epoch_batches(len(data.x), batch, SEED, e) for e in range(-(-count // per_epoch))]
-    return np.concatenate(epochs)[:count]
 
 
 def timed_steps(step, batches: np.ndarray) -> float:
@@ -94,30 +102,17 @@ def plain_horovod(workload: Workload, data: Dataset, hvd, world):
 
 
 def allreduce_ms(comm, nbytes: int, repeats: int) -> dict[str, float]:
-    """The best of `repeats` MPI_Allreduce calls on the gradient bytes, in place and not; the
-    results are checked."""
-    from mpi4py import MPI
-
-    n = max(1, nbytes // 4)
-    mine = np.full(n, comm.Get_rank() + 1, np.float32)
-    expected = comm.Get_size() * (comm.Get_size() + 1) / 2
-    out, best = np.empty_like(mine), {}
-    for name in ("in_place", "out_of_place"):
-        times = []
-        for _ in range(repeats):
-            buf = mine.copy()
-            comm.Barrier()
-            start = time.perf_counter()
-            if name == "in_place":
-                comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-            else:
-                comm.Allreduce(mine, out, op=MPI.SUM)
-            times.append(time.perf_counter() - start)
-            result = buf if name == "in_place" else out
-            if not np.all(result == expected):
-                raise RuntimeError(f"MPI_Allreduce {name} returned wrong sums")
-        best[name] = 1e3 * min(times)
-    return best
+    """MPI_Allreduce of the gradient bytes in place and out of place, as `bench allreduce`
+    runs them (ms a call on the slowest rank), each then checked against the local sum."""
+    array = payload(comm.Get_rank(), nbytes)
+    expected = sum(payload(r, nbytes) for r in range(comm.Get_size()))
+    times = {}
+    for name, make in (("in_place", mpi_in_place), ("out_of_place", mpi_out_of_place)):
+        times[name] = 1e3 * slowest_rank_seconds(comm, make(comm, array), repeats)
+        problem = self_check(f"MPI_Allreduce {name}", make, comm, array, expected)
+        if problem is not None:
+            raise RuntimeError(problem)
+    return times
 
 
 def link_rate_mb_s(comm, nbytes: int = 16 << 20, repeats: int = 3) -> float:
@@ -217,7 +212,7 @@ def measure(workload: Workload, rounds: int, steps: int, out: str) -> None:
             ),
         }
         plain = plain_horovod(workload, data, hvd, world)
-        stream = batch_stream(data, workload.batch, steps + 1)
+        stream = batch_stream(len(data.x), steps + 1, workload.batch, SEED)
         for engine in engines.values():
             engine.step(stream[0])
         plain(stream[0])
@@ -225,7 +220,7 @@ def measure(workload: Workload, rounds: int, steps: int, out: str) -> None:
     half = replace(cfg, strategy="single", batch_size=workload.batch // world.size)
     local = DataParallelEngine(spec, data, half, alone)  # one rank's compute, no allreduce
     single = DataParallelEngine(spec, data, replace(cfg, strategy="single"), alone)
-    grad_bytes = sum(int(np.prod(v.shape)) * 4 for v in local.variables)
+    grad_bytes = sum(variable_bytes(local.variables))
 
     rows = []
     for r in range(rounds):

@@ -35,8 +35,6 @@ from pathlib import Path
 from queue import Empty, Queue
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from ringtrain.bench.common import (
     PROTOCOL,
     QUIET,
@@ -125,15 +123,6 @@ def workload() -> tuple[Dataset, ModelSpec]:
 
     data = load_synthetic(SAMPLES, SHAPE, CLASSES, seed=SEED)
     return data, cnn(data.input_shape, data.n_classes)
-
-
-def batch_stream(n_examples: int, count: int) -> np.ndarray:
-    """The first `count` global batches of the shared order, across epochs as needed."""
-    from ringtrain.data import epoch_batches
-
-    per_epoch = n_examples // BATCH
-    epochs = [epoch_batches(n_examples, BATCH, SEED, e) for e in range(-(-count // per_epoch))]
-    return np.concatenate(epochs)[:count]
 
 
 # ---- the processes the parent drives ------------------------------------------------------

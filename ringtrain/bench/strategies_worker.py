@@ -25,6 +25,7 @@ import numpy as np
 
 from ringtrain import log, runtime
 from ringtrain.bench.common import (
+    batch_stream,
     horovod_running,
     idle_wait,
     ranks_cpus_allowed,
@@ -41,7 +42,6 @@ from ringtrain.bench.strategies import (
     PIPELINE,
     SEED,
     SINGLE,
-    batch_stream,
     workload,
 )
 from ringtrain.config import TrainConfig
@@ -56,7 +56,7 @@ def engine_runner(engine: Engine, data: Dataset) -> Runner:
     """Custom-loop engines (single, data, pipeline): what `ringtrain train` runs per step."""
 
     def run(steps: int) -> float:
-        batches = batch_stream(len(data.x), steps + 1)
+        batches = batch_stream(len(data.x), steps + 1, BATCH, SEED)
         engine.step(batches[0])
         start = time.perf_counter()
         for batch in batches[1:]:
@@ -81,7 +81,7 @@ def fit_runner(spec: ModelSpec, data: Dataset, cfg: TrainConfig, world: runtime.
     broadcast = BroadcastInitialState(world.hvd)
 
     def run(steps: int) -> float:
-        batches = batch_stream(len(data.x), steps + 1)
+        batches = batch_stream(len(data.x), steps + 1, BATCH, SEED)
         local = np.concatenate([shard(b, world.rank, world.size) for b in batches])
         ends: list[float] = []
         timer = keras.callbacks.LambdaCallback(

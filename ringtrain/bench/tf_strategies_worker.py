@@ -28,8 +28,14 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from ringtrain.bench.common import cpus_allowed, read_command, reply, settings_in_force
-from ringtrain.bench.strategies import BATCH, LR, batch_stream, workload
+from ringtrain.bench.common import (
+    batch_stream,
+    cpus_allowed,
+    read_command,
+    reply,
+    settings_in_force,
+)
+from ringtrain.bench.strategies import BATCH, LR, SEED, workload
 from ringtrain.data import shard
 
 Runner = Callable[[int], float]  # steps -> seconds they took
@@ -163,7 +169,9 @@ def _numpy_fed(strategy: tf.distribute.Strategy, step_fn, data) -> Runner:
         return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
 
     def run(steps: int) -> float:
-        batches = [shard(b, worker, workers) for b in batch_stream(len(data.x), steps + 1)]
+        batches = [
+            shard(b, worker, workers) for b in batch_stream(len(data.x), steps + 1, BATCH, SEED)
+        ]
         float(job_losses(tf.stack([train_step(data.x[batches[0]], data.y[batches[0]])]))[0])
         start = time.perf_counter()
         mine = [train_step(data.x[local], data.y[local]) for local in batches[1:]]

@@ -15,7 +15,7 @@ from ringtrain.models import ModelSpec, forward, loss_fn, trainable_variables
 from ringtrain.optim import make_optimizer
 from ringtrain.runtime import World
 from ringtrain.tensorflow_loader import tf
-from ringtrain.weights import named_weights, replica_checksums
+from ringtrain.weights import named_weights, replica_checksums, variable_bytes
 
 
 class DataParallelEngine(Checkpointable):
@@ -30,7 +30,7 @@ class DataParallelEngine(Checkpointable):
         self.optimizer.build(self.variables)
         if self.hvd is not None:
             broadcast_state(self.hvd, self.variables + list(self.optimizer.variables))
-        sizes = [int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in self.variables]
+        sizes = variable_bytes(self.variables)
         self.buckets = buckets(sizes, cfg.bucket_mb) if cfg.bucket_mb else [list(range(len(sizes)))]
         self._train_step = tf.function(self._step_graph)
         self._traced_step = tf.function(lambda x, y, stop: self._step_graph(x, y, stop, True))
