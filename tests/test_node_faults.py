@@ -14,7 +14,8 @@
   uninterrupted run, while a pipeline that would need more stages is refused in one line.
 
 One cluster (24 nodes, 2 CPUs each, Slurm) serves every test: the twelve fault runs take a
-pair each, the other tests use node1 to node4 as two pairs, so their two cases overlap in time.
+pair each; the requeue test uses node1 to node4 as two pairs, and the slow-link runs go on in
+the background on node5 to node8 while Slurm requeues.
 Each test heals the nodes it hurt, and the cluster is taken down even when a test failed.
 """
 
@@ -302,44 +303,33 @@ def uncap(node: str) -> None:
     subprocess.run(["tc", "-n", veth, "qdisc", "del", "dev", "eth0", "root"], check=False)
 
 
-def test_a_slow_link_is_no_false_alarm(slurm_env, tmp_path):
-    """node2's and node4's links at 512 kbit/s (64 kB/s): a data-parallel step's gradient
-    allreduce across node1+node2 (about 135 kB each way for the mlp) and a pipeline step's 8
-    messages across node3+node4 (32 kB each at batch 256, M = 4) take 4 s or more, beyond
-    --comm-timeout 2. With --min-link-rate below the link's rate both complete, with the
-    weights of single-process training. (Each run has a capped link of its own: another
-    job's bulk transfer ahead in the same queue is not this rank's bytes.)"""
-    flags = ["--model", "mlp", "--steps", "3", "--seed", "3", "--batch-size", "256"]
-    single = tmp_path / "single.npz"
-    reference = [CLI, "train", "--strategy", "single", *flags, "--weights-out", str(single)]
-    pairs = {"data": ("node1", "node2"), "pipeline": ("node3", "node4")}
-    jobs = {}
+SLOW_FLAGS = ["--model", "mlp", "--steps", "3", "--seed", "3", "--batch-size", "256"]
+SLOW_PAIRS = {"data": ("node5", "node6"), "pipeline": ("node7", "node8")}
+
+
+@pytest.fixture(scope="module")
+def slow_link_runs(slurm_env, tmp_path_factory) -> Iterator[tuple[Path, dict]]:
+    """The slow-link runs, started in the background: the requeue test asks for them first,
+    so they share its minutes of waiting for Slurm instead of adding their own."""
+    folder, jobs = tmp_path_factory.mktemp("slow-link"), {}
     try:
-        for strategy, (first, second) in pairs.items():
+        for strategy, (first, second) in SLOW_PAIRS.items():
             cap(second, "512kbit")
             cmd = [
                 *("mpirun", "-np", "2", "-H", f"{first}:1,{second}:1", *mpirun_flags(CIDR)),
-                *(CLI, "train", "--strategy", strategy, *STRATEGY_ARGS[strategy], *flags),
+                *(CLI, "train", "--strategy", strategy, *STRATEGY_ARGS[strategy], *SLOW_FLAGS),
                 *("--comm-timeout", "2", "--min-link-rate", "0.02"),
-                *("--weights-out", str(tmp_path / f"{strategy}.npz")),
+                *("--weights-out", str(folder / f"{strategy}.npz")),
             ]
-            log = (tmp_path / f"{strategy}.log").open("w")
+            log = (folder / f"{strategy}.log").open("w")
             jobs[strategy] = subprocess.Popen(cmd, stdout=log, stderr=log, env=ENV)
-        done = run(reference)  # meanwhile
-        assert done.returncode == 0, done.stderr[-2000:]
-        for job in jobs.values():
-            job.wait(timeout=400)
+        yield folder, jobs
     finally:
         for job in jobs.values():
             if job.poll() is None:
                 job.kill()
-        for _, second in pairs.values():
+        for _, second in SLOW_PAIRS.values():
             uncap(second)
-    for strategy, job in jobs.items():
-        text = (tmp_path / f"{strategy}.log").read_text()
-        assert job.returncode == 0, (strategy, text[-2000:])
-        comparison = compare_weight_files(tmp_path / f"{strategy}.npz", single, "mlp", 3)
-        assert comparison.passed, (strategy, comparison)
 
 
 # ---- requeue on fewer nodes ----------------------------------------------------------------
@@ -436,7 +426,9 @@ def assert_resumed_exactly(job: Requeued, uninterrupted: Path) -> None:
     assert comparison.passed, (job.strategy, comparison)
 
 
-def test_requeued_jobs_resume_on_the_nodes_left_and_a_pipeline_is_refused(slurm_env, tmp_path):
+def test_requeued_jobs_resume_on_the_nodes_left_and_a_pipeline_is_refused(
+    slurm_env, tmp_path, slow_link_runs
+):
     """Three `--nodes=1-2` jobs: data and a 2-stage pipeline on node1+node2, hybrid (2
     replicas x 2 stages) on node3+node4. Each writer freezes at step 40 between its parts
     and its manifest on node1 or node3, which then lose power. Requeued onto node2, data
@@ -468,3 +460,22 @@ def test_requeued_jobs_resume_on_the_nodes_left_and_a_pipeline_is_refused(slurm_
             subprocess.run(["scancel", job.job_id], env=slurm_env, check=False)
         fault("node1", "heal")
         fault("node3", "heal")
+
+
+def test_a_slow_link_is_no_false_alarm(slow_link_runs):
+    """node6's and node8's links at 512 kbit/s (64 kB/s): a data-parallel step's gradient
+    allreduce across node5+node6 (about 135 kB each way for the mlp) and a pipeline step's 8
+    messages across node7+node8 (32 kB each at batch 256, M = 4) take 4 s or more, beyond
+    --comm-timeout 2. With --min-link-rate below the link's rate both complete, with the
+    weights of single-process training. (Each run has a capped link of its own: another
+    job's bulk transfer ahead in the same queue is not this rank's bytes.)"""
+    folder, jobs = slow_link_runs
+    single = folder / "single.npz"
+    done = run([CLI, "train", "--strategy", "single", *SLOW_FLAGS, "--weights-out", str(single)])
+    assert done.returncode == 0, done.stderr[-2000:]
+    for strategy, job in jobs.items():
+        job.wait(timeout=400)
+        text = (folder / f"{strategy}.log").read_text()
+        assert job.returncode == 0, (strategy, text[-2000:])
+        comparison = compare_weight_files(folder / f"{strategy}.npz", single, "mlp", 3)
+        assert comparison.passed, (strategy, comparison)

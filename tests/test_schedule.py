@@ -10,6 +10,7 @@ import pytest
 
 from ringtrain import cli
 from ringtrain.errors import UserError
+from ringtrain.pipeline.costs import LinkModel, predict
 from ringtrain.pipeline.generators import SCHEDULES
 from ringtrain.pipeline.ir import (
     Action,
@@ -389,7 +390,26 @@ def test_schedule_code_imports_neither_tensorflow_nor_mpi():
     code = (
         "import sys\n"
         "import ringtrain.pipeline.schedule, ringtrain.pipeline.simulate\n"
-        "import ringtrain.pipeline.schedule_cli\n"
+        "import ringtrain.pipeline.schedule_cli, ringtrain.pipeline.costs\n"
         "assert 'tensorflow' not in sys.modules and 'mpi4py' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
+
+
+def test_a_link_model_fitted_to_exact_timings_recovers_latency_and_rate():
+    link = LinkModel.fit([(n, 50e-6 + n / 1e9) for n in (1_000, 100_000, 1_000_000)])
+    assert link.latency == pytest.approx(50e-6)
+    assert link.bytes_per_second == pytest.approx(1e9)
+    with pytest.raises(ValueError, match="two message sizes"):
+        LinkModel.fit([(1000, 1e-5), (1000, 2e-5)])
+
+
+def test_a_prediction_adds_measured_compute_and_the_link_s_time_per_message():
+    """1F1B, P=2, M=1: F0, message, F1, B1, message, B0: 1 + 2 + 2 + 4 + the two messages,
+    each 0.25 latency plus 500 bytes at 1000 bytes a unit."""
+    one = built("1f1b", 2, 1)[0]
+    seconds = {(0, "F"): 1.0, (0, "B"): 4.0, (1, "F"): 2.0, (1, "B"): 2.0}
+    result = predict(one, seconds, LinkModel(0.25, 1000.0), boundary_bytes=[500])
+    assert result.makespan == pytest.approx(1 + 2 + 2 + 4 + 2 * 0.75)
+    with pytest.raises(ValueError, match="no measured time for 1B0"):
+        predict(one, {(0, "F"): 1.0, (0, "B"): 1.0, (1, "F"): 1.0})

@@ -10,24 +10,57 @@ _NAMES = {"F": "forward", "B": "backward", "BI": "input gradient", "BW": "weight
 _LABEL = re.compile(r"^(\d*)([A-Z]+)(\d*)$")  # "1BI3" (an IR action) or "BI3" (a trace row)
 
 
-def draw_gantt(
-    timeline_per_rank: Sequence[Sequence[tuple[str, float, float]]], path: str, title: str
-) -> None:
+Timeline = Sequence[Sequence[tuple[str, float, float]]]  # per rank: (label, start, end)
+
+
+def draw_gantt(timeline_per_rank: Timeline, path: str, title: str) -> None:
     """One row per rank (rank 0 on top), one box per (label, start, end), coloured by the
     computation and printed with its microbatch; a rank's later stages are drawn paler."""
+    draw_panels([(title, timeline_per_rank)], path)
+
+
+def draw_panels(panels: Sequence[tuple[str, Timeline]], path: str) -> None:
+    """Gantt charts one above the other on one time axis, each starting at zero: the
+    simulator's prediction over the measured step shows where the two part."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = len(timeline_per_rank)
-    boxes = [box for row in timeline_per_rank for box in row]
-    begin = min((b[1] for b in boxes), default=0.0)
-    end = max((b[2] for b in boxes), default=begin + 1.0)
-    fig, ax = plt.subplots(figsize=(min(4 + 0.5 * len(boxes) / max(rows, 1), 24), 1 + 0.5 * rows))
+    shifted = [(title, _from_zero(lanes)) for title, lanes in panels]
+    boxes = [box for _, lanes in shifted for row in lanes for box in row]
+    end = max((b[2] for b in boxes), default=1.0)
+    rows = sum(len(lanes) for _, lanes in shifted)
+    width = min(4 + 0.5 * len(boxes) / max(rows, 1), 24)
+    fig, axes = plt.subplots(
+        len(shifted), 1, figsize=(width, 1 + 0.6 * rows + 0.4 * len(shifted)), squeeze=False
+    )
+    seen: set[str] = set()
+    for ax, (title, lanes) in zip(axes[:, 0], shifted, strict=True):
+        seen |= _draw_lanes(ax, lanes)
+        ax.set_xlim(0, end)
+        ax.set_title(title)
+    axes[-1, 0].set_xlabel("seconds" if len(shifted) > 1 else "time")
+    codes = [code for code in _COLORS if code in seen]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=_COLORS[code]) for code in codes]
+    names = [_NAMES[code] for code in codes]
+    axes[0, 0].legend(handles, names, loc="upper left", bbox_to_anchor=(1, 1), fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _from_zero(lanes: Timeline) -> list[list[tuple[str, float, float]]]:
+    """Measured traces carry wall-clock times; every panel is drawn from its first start."""
+    begin = min((b[1] for row in lanes for b in row), default=0.0)
+    return [[(label, a - begin, b - begin) for label, a, b in row] for row in lanes]
+
+
+def _draw_lanes(ax, lanes: Timeline) -> set[str]:
+    """One panel's boxes; the computation codes drawn, for the legend."""
     style = {"height": 0.8, "edgecolor": "black", "linewidth": 0.5}
     seen = set()
-    for r, row in enumerate(timeline_per_rank):
+    for r, row in enumerate(lanes):
         stages = sorted({_parse(label)[0] for label, _, _ in row})
         for label, start, stop in row:
             stage, code, mb = _parse(label)
@@ -36,18 +69,9 @@ def draw_gantt(
             color = _COLORS.get(code, "#bbbbbb")
             ax.barh(r, stop - start, left=start, color=color, alpha=alpha, **style)
             ax.text((start + stop) / 2, r, mb or code, ha="center", va="center", fontsize=7)
-    ax.set_yticks(range(rows), [f"rank {r}" for r in range(rows)])
-    ax.set_ylim(rows - 0.5, -0.5)
-    ax.set_xlim(begin, end)
-    ax.set_xlabel("time")
-    ax.set_title(title)
-    codes = [code for code in _COLORS if code in seen]
-    handles = [plt.Rectangle((0, 0), 1, 1, color=_COLORS[code]) for code in codes]
-    names = [_NAMES[code] for code in codes]
-    ax.legend(handles, names, loc="upper left", bbox_to_anchor=(1, 1), fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    ax.set_yticks(range(len(lanes)), [f"rank {r}" for r in range(len(lanes))])
+    ax.set_ylim(len(lanes) - 0.5, -0.5)
+    return seen
 
 
 def _parse(label: str) -> tuple[str, str, str]:

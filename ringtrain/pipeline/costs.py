@@ -1,0 +1,83 @@
+"""Measured costs for the simulator: what a step's computations and messages take here.
+
+The simulator (simulate.py) replays a schedule with any cost function; this module turns
+measurements into one. Computations cost what a stage's F, B, BI or BW measured (seconds per
+microbatch); a message costs the link's latency plus its bytes at the link's rate, fitted to
+ping-pong timings at a few sizes. Imports neither TensorFlow nor MPI, so a prediction can be
+checked in milliseconds against synthetic figures with known answers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ringtrain.pipeline.interpreter import Cost
+from ringtrain.pipeline.ir import Action, Schedule
+from ringtrain.pipeline.simulate import SimResult, simulate
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """One-way time of a message: `latency` seconds plus its bytes at `bytes_per_second`."""
+
+    latency: float
+    bytes_per_second: float
+
+    def time(self, nbytes: int) -> float:
+        return self.latency + nbytes / self.bytes_per_second
+
+    @classmethod
+    def fit(cls, samples: Sequence[tuple[int, float]]) -> LinkModel:
+        """Least squares of time = latency + bytes / rate over (bytes, seconds) samples.
+
+        A noisy fit can come out with a negative latency or rate; both are clamped to what a
+        link can be (no latency below zero, and the largest message's own rate at most)."""
+        if len(samples) < 2 or len({n for n, _ in samples}) < 2:
+            raise ValueError("a link model needs timings at two message sizes or more")
+        n = len(samples)
+        mean_x = sum(x for x, _ in samples) / n
+        mean_t = sum(t for _, t in samples) / n
+        var = sum((x - mean_x) ** 2 for x, _ in samples)
+        slope = sum((x - mean_x) * (t - mean_t) for x, t in samples) / var
+        largest, its_time = max(samples)
+        slope = max(slope, its_time / largest * 1e-3, 1e-15)
+        latency = max(mean_t - slope * mean_x, 0.0)
+        return cls(latency, 1.0 / slope)
+
+    def to_json(self) -> dict[str, float]:
+        return {"latency_s": self.latency, "bytes_per_second": self.bytes_per_second}
+
+
+FREE_LINK = LinkModel(0.0, float("inf"))
+
+
+def measured_cost(seconds: Mapping[tuple[int, str], float]) -> Cost:
+    """A cost function from seconds per (stage, computation); REDUCE, STEP and messages cost
+    nothing here (messages are the link's, see `predict`)."""
+
+    def cost(a: Action) -> float:
+        return seconds.get((a.stage, a.op), 0.0) if a.is_compute else 0.0
+
+    return cost
+
+
+def predict(
+    schedule: Schedule,
+    seconds: Mapping[tuple[int, str], float],
+    link: LinkModel = FREE_LINK,
+    boundary_bytes: Sequence[int] | None = None,
+) -> SimResult:
+    """The schedule replayed with measured compute and the link's message time.
+
+    `boundary_bytes[s]` is the size of what crosses from stage s to s + 1 (its gradient is as
+    big); messages between stages on one rank are not in the schedule, so they cost nothing."""
+    missing = [
+        str(a)
+        for row in schedule.actions
+        for a in row
+        if a.is_compute and (a.stage, a.op) not in seconds
+    ]
+    if missing:
+        raise ValueError(f"no measured time for {missing[0]}")
+    return simulate(schedule, measured_cost(seconds), link.time, boundary_bytes)
