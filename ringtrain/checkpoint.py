@@ -128,6 +128,23 @@ def latest(root: str) -> dict | None:
     return None
 
 
+def stored_partition(root: str, stages: int, elements: int) -> list[tuple[int, int]] | None:
+    """The split of the model the newest checkpoint was trained with, for a resumed pipeline
+    to reuse: measuring `time` again could split differently, and the parts hold its stages.
+    None when there is no checkpoint or it holds no partition (not a pipeline's)."""
+    manifest = latest(root)
+    bounds = None if manifest is None else manifest.get("identity", {}).get("partition")
+    if bounds is None:
+        return None
+    ends = [end for _, end in bounds]
+    if len(bounds) != stages or ends[-1] != elements:
+        raise UserError(
+            f"checkpoint {manifest['folder']} splits {ends[-1]} model elements into "
+            f"{len(bounds)} stages, but this run has {elements} elements in {stages} stages"
+        )
+    return [(int(start), int(end)) for start, end in bounds]
+
+
 def read_part(manifest: dict, part: str) -> dict[str, np.ndarray]:
     path = os.path.join(manifest["folder"], f"{part}.npz")
     if part not in manifest["parts"]:

@@ -99,14 +99,34 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scale-lr", action="store_true", help="multiply --lr by the replica count")
     p.add_argument("--warmup-epochs", type=float, default=0.0, help="linear LR warm-up")
     p.add_argument("--clip-norm", type=float, help="clip by the global gradient norm")
-    p.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULE_KINDS)}")
+    p.add_argument(
+        "--schedule",
+        default="1f1b",
+        help=f"one of {', '.join(SCHEDULE_KINDS)}, or FILE.json as `ringtrain schedule --json` "
+        "prints it",
+    )
+    p.add_argument(
+        "--virtual-stages",
+        type=_whole_number,
+        default=1,
+        help="stages per pipeline rank (--schedule interleaved); the model splits into P*V",
+    )
+    p.add_argument(
+        "--recompute",
+        action="store_true",
+        help="redo each stage's forward in its backward: less activation memory, more compute",
+    )
     p.add_argument(
         "--microbatches",
         type=_whole_number,
         default=None,
         help="microbatches per replica batch (pipeline default 4)",
     )
-    p.add_argument("--partition", default="uniform", help=f"one of {', '.join(PARTITIONS)}")
+    p.add_argument(
+        "--partition",
+        help=f"one of {', '.join(PARTITIONS)} (default: time where the model has more "
+        "elements than stages, else uniform; a resumed run keeps its checkpoint's)",
+    )
     p.add_argument("--pp-size", type=_whole_number, help="stages per pipeline (hybrid)")
     p.add_argument(
         "--comm-timeout",
@@ -196,6 +216,8 @@ def config_from_args(args: argparse.Namespace):
         clip_norm=args.clip_norm,
         schedule=args.schedule,
         microbatches=(4 if pipelined else 1) if args.microbatches is None else args.microbatches,
+        virtual_stages=args.virtual_stages,
+        recompute=args.recompute,
         partition=args.partition,
         pp_size=args.pp_size,
         comm_timeout=args.comm_timeout,

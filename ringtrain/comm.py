@@ -11,6 +11,7 @@ a silent peer trips it `--comm-timeout` after the transfer should have ended.
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -37,8 +38,7 @@ def step_traffic(engine, microbatches: int) -> int:
     from ringtrain.weights import variable_bytes
 
     weights = sum(variable_bytes(engine.variables))
-    inputs, grads = getattr(engine, "act_in", None), getattr(engine, "grad_in", None)
-    per_microbatch = inputs[0].nbytes + grads.nbytes if inputs is not None else 0
+    per_microbatch = getattr(engine, "microbatch_bytes", 0)
     return 2 * weights + microbatches * per_microbatch
 
 
@@ -55,6 +55,15 @@ def host_of(comm, peer: int) -> str | None:
     if heartbeat.current is None:
         return None
     return heartbeat.current.hosts[world_rank(comm, peer)]
+
+
+class PostedReceive(NamedTuple):
+    """An Irecv already under way into `buf`; `Link.complete` waits for it."""
+
+    request: object
+    buf: np.ndarray
+    source: int
+    what: str
 
 
 class Link:
@@ -80,8 +89,17 @@ class Link:
             self.pending.append((self.comm.Isend(buf, dest, tag), buf, dest, what))
 
     def recv_buffer(self, buf: np.ndarray, source: int, tag: int, what: str) -> np.ndarray:
-        self.wait(self.comm.Irecv(buf, source, tag), source, what, buf.nbytes)
-        return buf
+        return self.complete(self.post_receive(buf, source, tag, what))
+
+    def post_receive(self, buf: np.ndarray, source: int, tag: int, what: str) -> PostedReceive:
+        """Irecv now, `complete` when the data is needed: the transfer overlaps the work between,
+        and an early sender's message lands in `buf` rather than in MPI's own buffers."""
+        return PostedReceive(self.comm.Irecv(buf, source, tag), buf, source, what)
+
+    def complete(self, posted: PostedReceive) -> np.ndarray:
+        """Wait for a posted receive under the usual deadline, which starts now."""
+        self.wait(posted.request, posted.source, posted.what, posted.buf.nbytes)
+        return posted.buf
 
     def flush(self) -> None:
         """Complete every outstanding send; their buffers may be reused afterwards."""

@@ -17,10 +17,11 @@ STRATEGIES = ("single", "data", "model", "pipeline", "hybrid")
 MODELS = ("mlp", "cnn", "transformer")
 OPTIMIZERS = ("sgd", "adam")
 LOOPS = ("custom", "fit")
-SCHEDULE_KINDS = ("gpipe", "1f1b")
+SCHEDULE_KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1")
 PARTITIONS = ("uniform", "params", "time")
 PROGRESS = ("auto", "bar", "lines", "none")
 MAX_SEED = 2**32 - 1  # what every seeded generator on the way accepts
+MPI_TAG_LIMIT = 32767  # the largest tag every MPI must accept (MPI_TAG_UB may be larger)
 
 
 @dataclass
@@ -43,9 +44,11 @@ class TrainConfig:
     scale_lr: bool = False
     warmup_epochs: float = 0.0
     clip_norm: float | None = None
-    schedule: str = "1f1b"
+    schedule: str = "1f1b"  # a kind of SCHEDULE_KINDS or the path of a schedule file (*.json)
     microbatches: int = 1
-    partition: str = "uniform"
+    virtual_stages: int = 1  # stages per pipeline rank (interleaved)
+    recompute: bool = False  # redo each forward in its backward instead of keeping its tape
+    partition: str | None = None  # None: time where elements outnumber stages, else uniform
     pp_size: int | None = None
     comm_timeout: float = 120.0
     startup_timeout: float = 600.0  # living peers may take this long to trace the first step
@@ -118,6 +121,33 @@ def pipeline_stages(cfg: TrainConfig, world_size: int) -> int:
     return 1
 
 
+def is_schedule_file(schedule: str) -> bool:
+    """`--schedule` names a file of the format `ringtrain schedule --json` prints."""
+    return schedule.endswith(".json")
+
+
+def pipeline_schedule(cfg: TrainConfig, ranks: int):
+    """The schedule every pipeline of this run follows: generated, or the user's file checked.
+
+    Raises UserError; a file is read like a flag's value, every rank reading the same file.
+    """
+    from ringtrain.pipeline.schedule import build_schedule, load_schedule_file
+
+    if is_schedule_file(cfg.schedule):
+        return load_schedule_file(cfg.schedule)
+    try:
+        return build_schedule(cfg.schedule, ranks, cfg.microbatches, cfg.virtual_stages)
+    except ValueError as err:
+        raise UserError(f"--schedule {cfg.schedule}: {err}") from None
+
+
+def partition_method(cfg: TrainConfig, elements: int, stages: int) -> str:
+    """`--partition`, or by default `time` where there is a choice and `uniform` where not."""
+    if cfg.partition is not None:
+        return cfg.partition
+    return "time" if elements > stages else "uniform"
+
+
 def validate(cfg: TrainConfig, world_size: int, n_elements: int | None = None) -> None:
     """Raise UserError for the first problem in the flags or the output paths."""
     validate_flags(cfg, world_size, n_elements)
@@ -130,8 +160,10 @@ def validate_flags(cfg: TrainConfig, world_size: int, n_elements: int | None = N
     _choice("model", cfg.model, MODELS)
     _choice("optimizer", cfg.optimizer, OPTIMIZERS)
     _choice("loop", cfg.loop, LOOPS)
-    _choice("schedule", cfg.schedule, SCHEDULE_KINDS)
-    _choice("partition", cfg.partition, PARTITIONS)
+    if not is_schedule_file(cfg.schedule):
+        _choice("schedule", cfg.schedule, (*SCHEDULE_KINDS, "FILE.json"))
+    if cfg.partition is not None:
+        _choice("partition", cfg.partition, PARTITIONS)
     _choice("progress", cfg.progress, PROGRESS)
     _check_numbers(cfg)
     if cfg.epochs is not None and cfg.steps is not None:
@@ -180,10 +212,7 @@ def validate_flags(cfg: TrainConfig, world_size: int, n_elements: int | None = N
         raise UserError("--strategy model is the naive split with one microbatch; use pipeline")
     stages = pipeline_stages(cfg, world_size)
     replicas = world_size // stages
-    if n_elements is not None and stages > n_elements:
-        raise UserError(
-            f"{stages} pipeline stages but model {cfg.model!r} has only {n_elements} layers"
-        )
+    _validate_pipeline(cfg, stages, n_elements)
     per_replica, rest = divmod(cfg.batch_size, replicas)
     if rest:
         raise UserError(
@@ -200,6 +229,54 @@ def validate_flags(cfg: TrainConfig, world_size: int, n_elements: int | None = N
     _validate_checkpointing(cfg)
     if cfg.tensorboard and cfg.loop == "fit":
         raise UserError("--tensorboard needs --loop custom (model.fit keeps its own loop)")
+
+
+def _validate_pipeline(cfg: TrainConfig, ranks: int, n_elements: int | None) -> None:
+    """The schedule fits the pipeline: its kind, virtual stages, microbatches, a file's ranks,
+    the model's elements and the MPI tags its messages need."""
+    if cfg.virtual_stages < 1:
+        raise UserError(f"--virtual-stages must be at least 1, got {cfg.virtual_stages}")
+    if cfg.virtual_stages > 1 and cfg.schedule != "interleaved":
+        raise UserError(
+            f"--virtual-stages {cfg.virtual_stages} needs --schedule interleaved, "
+            f"not {cfg.schedule}"
+        )
+    if cfg.recompute and cfg.strategy not in ("model", "pipeline", "hybrid"):
+        raise UserError(f"--recompute is for pipeline stages, not --strategy {cfg.strategy}")
+    if cfg.strategy not in ("model", "pipeline", "hybrid"):
+        return
+    if cfg.schedule == "interleaved" and cfg.microbatches % ranks:
+        raise UserError(
+            f"--schedule interleaved needs --microbatches ({cfg.microbatches}) to be a "
+            f"multiple of the {ranks} pipeline ranks"
+        )
+    schedule = pipeline_schedule(cfg, ranks)
+    if schedule.ranks != ranks:
+        raise UserError(
+            f"--schedule {cfg.schedule} is for {schedule.ranks} pipeline ranks, "
+            f"but this run has {ranks}"
+        )
+    if schedule.microbatches != cfg.microbatches:
+        raise UserError(
+            f"--schedule {cfg.schedule} has {schedule.microbatches} microbatches, "
+            f"but --microbatches is {cfg.microbatches}"
+        )
+    if n_elements is not None and schedule.stages > n_elements:
+        raise UserError(
+            f"{schedule.stages} pipeline stages but model {cfg.model!r} has only "
+            f"{n_elements} layers"
+        )
+    if message_tag(schedule.stages, cfg.microbatches, schedule.stages) > MPI_TAG_LIMIT:
+        raise UserError(
+            f"{schedule.stages} stages x {cfg.microbatches} microbatches need MPI tags above "
+            f"{MPI_TAG_LIMIT}; use fewer microbatches"
+        )
+
+
+def message_tag(stage: int, microbatches: int, mb: int, kind: int = 0) -> int:
+    """The MPI tag of stage `stage`'s message of microbatch `mb`: kind 0 an activation, 1 a
+    gradient; `message_tag(stages, M, s)` is stage s's evaluation activations."""
+    return 2 * (stage * microbatches + mb) + kind
 
 
 def check_paths(cfg: TrainConfig) -> None:

@@ -78,6 +78,17 @@ BAD_TRAIN_FLAGS = [
     ),
     (["--strategy", "pipeline", "--schedule", "zigzag"], "unknown schedule 'zigzag'"),
     (["--strategy", "pipeline", "--partition", "random"], "unknown partition 'random'"),
+    (["--strategy", "pipeline", "--virtual-stages", "0"], "--virtual-stages must be at least 1"),
+    (
+        ["--strategy", "pipeline", "--virtual-stages", "2"],
+        "--virtual-stages 2 needs --schedule interleaved, not 1f1b",
+    ),
+    (
+        ["--strategy", "pipeline", "--schedule", "interleaved", "--virtual-stages", "5"],
+        "5 pipeline stages but model 'mlp' has only 4 layers",
+    ),
+    (["--strategy", "pipeline", "--schedule", "/nonexistent.json"], "cannot read the schedule"),
+    (["--recompute"], "--recompute is for pipeline stages, not --strategy data"),
     (["--strategy", "hybrid"], "needs --pp-size"),
     (["--loop", "fit", "--accumulate", "2"], "--accumulate needs --loop custom"),
     (["--synthetic-shape", "3x3"], "--synthetic-shape"),
@@ -234,6 +245,10 @@ def test_a_model_that_cannot_take_the_rows_is_a_bad_input(datasets):
         (["--strategy", "single"], "--strategy single runs on one rank, but 2 were launched"),
         (["--batch-size", "63"], "global batch 63 is not divisible by 2 data-parallel ranks"),
         (["--metrics-out", "/nonexistent-dir/m.json"], "folder /nonexistent-dir does not exist"),
+        (
+            ["--strategy", "pipeline", "--schedule", "interleaved", "--microbatches", "3"],
+            "needs --microbatches (3) to be a multiple of the 2 pipeline ranks",
+        ),
     ],
 )
 def test_a_problem_every_rank_sees_is_said_once_by_rank_0(args, needle):
@@ -352,7 +367,11 @@ def test_resuming_a_pipeline_checkpoint_with_another_world_size_is_refused_once(
     assert first.returncode == EXIT_CHECKPOINTED, first.stderr[-2000:]
     before = _snapshot(folder)
     refused = train_under_mpirun(*run_args, "--resume", ranks=4)
-    said_once(refused, EXIT_USAGE, "does not fit this run: stages is 2 there and 4 here")
+    said_once(
+        refused,
+        EXIT_USAGE,
+        "splits 4 model elements into 2 stages, but this run has 4 elements in 4 stages",
+    )
     assert _snapshot(folder) == before
 
 

@@ -1,112 +1,256 @@
-"""The pipeline executor: interprets any lowered schedule for this rank's stage.
+"""The pipeline executor: interprets any lowered schedule for the stages this rank holds.
 
 One method per action op (a dispatch table), so a new schedule is a new generator in
-generators.py, never a new loop here. Used by `model` (one microbatch), `pipeline` and `hybrid`
-(stage gradients then averaged over the stage's replicas with Horovod process sets).
+generators.py, never a new loop here. Each action names its stage; a rank holds one stage, or
+several under interleaving or a user's schedule file, and hands tensors between its own stages
+in memory. Used by `model` (one microbatch), `pipeline` and `hybrid` (stage gradients then
+averaged over the stage's replicas with Horovod process sets).
+
+By default a forward runs under an eager GradientTape that records the call of the stage's
+compiled function: the tape keeps that function's intermediates, and the backward runs the
+compiled gradient without redoing the forward. `--recompute` keeps only the stage's input and
+redoes the forward inside the backward, trading compute for activation memory.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ringtrain import log
-from ringtrain.checkpoint import Checkpointable
-from ringtrain.comm import Link
-from ringtrain.config import TrainConfig, pipeline_stages
+from ringtrain.checkpoint import Checkpointable, stored_partition
+from ringtrain.comm import Link, PostedReceive
+from ringtrain.config import (
+    TrainConfig,
+    message_tag,
+    partition_method,
+    pipeline_schedule,
+    pipeline_stages,
+)
 from ringtrain.data import Dataset, shard
 from ringtrain.dataparallel.collectives import average_gradients
 from ringtrain.evaluate import count_accuracy
+from ringtrain.guard import agree
 from ringtrain.models import ModelSpec, forward, loss_fn, trainable_variables
 from ringtrain.optim import make_optimizer
 from ringtrain.pipeline import partition
 from ringtrain.pipeline.grid import Grid
-from ringtrain.pipeline.schedule import build_schedule
+from ringtrain.pipeline.ir import Action, Tensor, carries, consumes, produces
 from ringtrain.pipeline.simulate import simulate
 from ringtrain.pipeline.trace import Trace, measured_bubble, timeline, write_chrome_trace
 from ringtrain.runtime import World
 from ringtrain.tensorflow_loader import tf
 from ringtrain.weights import replica_checksums
 
-ACT, GRAD, EVAL, LOSS, WEIGHTS = 0, 1, 2, 3, 4  # message kinds; tag = 8 * microbatch + kind
+LOSS, WEIGHTS = 0, 1  # tags on the world communicator; pipeline tags are config.message_tag's
+KINDS = {"ACT": 0, "GRAD": 1}
+POST_AHEAD_BYTES = 64 * 2**20  # a step's receives up to this size are all posted at its start
 
 
-def _tag(kind: int, mb: int = 0) -> int:
-    return 8 * mb + kind
+class Stage:
+    """One of the model's stages held by this rank: its elements and compiled functions."""
+
+    def __init__(self, index: int, stages: int, elements: list, microbatches: int):
+        self.index, self.first, self.last = index, index == 0, index == stages - 1
+        self.elements, self.microbatches = elements, microbatches
+        self.variables = trainable_variables(elements)
+        self.grads: list = []
+        # Graphs, not eager ops: per-op Python overhead would dwarf a microbatch's compute.
+        self.output = tf.function(self._output)
+        self.recompute = tf.function(self._recompute)
+
+    def _output(self, x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
+        """The activation sent downstream or, on the last stage, its share of the loss."""
+        out = forward(self.elements, x)
+        return loss_fn(y, out) / self.microbatches if self.last else out
+
+    def sources(self, x: tf.Tensor, weights: bool, inputs: bool) -> list:
+        """What a backward differentiates: the weights and/or, except on stage 0, the input."""
+        return (self.variables if weights else []) + ([x] if inputs and not self.first else [])
+
+    def _recompute(self, x, y, upstream, weights: bool, inputs: bool) -> list:
+        """--recompute: the forward again under a tape (only the input was kept), then the
+        gradients a full backward (B) or one half of a split one (BI, BW) needs."""
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            out = self._output(x, y)
+        return tape.gradient(out, self.sources(x, weights, inputs), output_gradients=upstream)
+
+
+@dataclass
+class Held:
+    """A microbatch between its forward and the end of its backward on one stage."""
+
+    x: tf.Tensor
+    y: tf.Tensor
+    out: tf.Tensor
+    tape: tf.GradientTape | None  # None under --recompute
+    upstream: tf.Tensor | None = None  # split backward: the output gradient BI received
+    weight_grads: list | None = field(default=None)  # split backward: ready for BW to add
+
+
+class Inbox:
+    """This rank's receives of one step, each posted into a preallocated buffer ahead of need.
+
+    Receives of one kind from one stage form a queue in the order the list takes them, with a
+    ring of slots: all of the step's receives are posted at its start when their buffers fit
+    POST_AHEAD_BYTES, else two per queue, the next posted as soon as one is taken. Taking
+    copies the data out, so a slot is free again at once.
+    """
+
+    def __init__(self, link: Link, receives: list[Tensor], shape, peer, tag):
+        self.link, self.peer, self.tag = link, peer, tag
+        self.queues: dict[tuple[str, int], list[Tensor]] = {}
+        for t in receives:
+            self.queues.setdefault((t.kind, t.stage), []).append(t)
+        self.position = {t: i for queue in self.queues.values() for i, t in enumerate(queue)}
+        self.step_bytes = sum(4 * int(np.prod(shape(t))) for t in receives)
+        self.slots = {
+            key: np.zeros(
+                (min(len(q), len(q) if self.step_bytes <= POST_AHEAD_BYTES else 2), *shape(q[0])),
+                np.float32,
+            )
+            for key, q in self.queues.items()
+        }
+        self.posted: dict[Tensor, PostedReceive] = {}
+
+    def post_step(self) -> None:
+        for key, slots in self.slots.items():
+            for i in range(len(slots)):
+                self._post(self.queues[key][i])
+
+    def _post(self, t: Tensor) -> None:
+        slots = self.slots[(t.kind, t.stage)]
+        buf = slots[self.position[t] % len(slots)]
+        self.posted[t] = self.link.post_receive(buf, self.peer(t), self.tag(t), _what(t))
+
+    def take(self, t: Tensor) -> tf.Tensor:
+        """Wait for `t` (the comm deadline starts now), copy it out, post the queue's next."""
+        value = tf.constant(np.copy(self.link.complete(self.posted.pop(t))))
+        queue, after = (
+            self.queues[(t.kind, t.stage)],
+            self.position[t] + len(self.slots[(t.kind, t.stage)]),
+        )
+        if after < len(queue):
+            self._post(queue[after])
+        return value
+
+
+def _what(t: Tensor) -> str:
+    """How a timeout names a message."""
+    what = "activation" if t.kind == "ACT" else "gradient"
+    return f"{what} of microbatch {t.mb} from stage {t.stage}"
 
 
 class PipelineEngine(Checkpointable):
-    """One stage of one pipeline replica."""
+    """The stages one rank holds in one pipeline replica."""
 
     def __init__(self, spec: ModelSpec, data: Dataset, cfg: TrainConfig, world: World):
         self.data, self.cfg, self.world = data, cfg, world
         self.grid = Grid(world.size, pipeline_stages(cfg, world.size))
-        self.stages, self.replicas = self.grid.stages, self.grid.replicas
-        self.stage, self.replica = self.grid.stage_of(world.rank), self.grid.replica_of(world.rank)
-        self.pipe = world.comm.Split(color=self.replica, key=self.stage)
+        self.ranks, self.replicas = self.grid.stages, self.grid.replicas
+        self.position, self.replica = (
+            self.grid.stage_of(world.rank),
+            self.grid.replica_of(world.rank),
+        )
+        self.schedule = pipeline_schedule(cfg, self.ranks)
+        self.stage_count = self.schedule.stages
+        self.pipe = world.comm.Split(color=self.replica, key=self.position)
         self.link = Link(
             self.pipe,
             cfg.comm_timeout,
             cfg.sync_sends,
-            name=lambda s: self._who(self.grid.pipeline_ranks(self.replica)[s]),
+            name=lambda p: self._who(self.grid.pipeline_ranks(self.replica)[p]),
             min_rate=cfg.min_link_rate,
         )
         self.world_link = Link(
             world.comm, cfg.comm_timeout, name=self._who, min_rate=cfg.min_link_rate
         )
-        self.stage_set = world.process_sets[self.stage] if world.process_sets else None
+        self.stage_set = world.process_sets[self.position] if world.process_sets else None
         if cfg.strategy == "hybrid":
             log.info(self.grid.describe())
 
         self.mb_size = cfg.batch_size // self.replicas // cfg.microbatches
+        self.shapes = spec.shapes()
         self.bounds = self._partition(spec)
-        first, last = self.bounds[self.stage]
-        self.first_stage, self.last_stage = self.stage == 0, self.stage == self.stages - 1
-        self.elements = spec.build(range(first, last), cfg.seed)
-        self.variables = trainable_variables(self.elements)
+        self.stages = {
+            s: Stage(
+                s, self.stage_count, spec.build(range(*self.bounds[s]), cfg.seed), cfg.microbatches
+            )
+            for s in self.schedule.stages_on(self.position)
+        }
+        self.variables = [v for stage in self.stages.values() for v in stage.variables]
         self.optimizer = make_optimizer(cfg)
         self.optimizer.build(self.variables)
 
-        self.schedule = build_schedule(cfg.schedule, self.stages, cfg.microbatches)
-        self.actions = self.schedule.actions[self.stage]
+        self.actions = self.schedule.actions[self.position]
         self.predicted = simulate(self.schedule)
-        shapes = spec.shapes()
-        # Receive buffers, preallocated: a microbatch's input lives until its backward, and at
-        # most peak_inflight consecutive microbatches are alive, so mb % slots never collides.
-        slots = self.predicted.peak_inflight[self.stage]
-        self.act_in = np.zeros((slots, self.mb_size, *shapes[first]), np.float32)
-        self.grad_in = np.zeros((self.mb_size, *shapes[last]), np.float32)
+        # Bytes of stage s's output per microbatch (its gradient is as big): the boundaries.
+        self.boundary_bytes = [
+            self._tensor_bytes(Tensor("ACT", s, 0)) for s in range(self.stage_count - 1)
+        ]
+        receives = [carries(a) for a in self.actions if a.op.startswith("RECV")]
+        self.inbox = Inbox(self.link, receives, self._tensor_shape, self._peer, self._tag)
+        self.microbatch_bytes = self.inbox.step_bytes // cfg.microbatches
         self.dispatch = {
             "F": self._forward,
             "B": self._backward,
             "BI": self._backward_input,
             "BW": self._backward_weight,
-            "SEND_ACT": self._send_act,
-            "RECV_ACT": self._recv_act,
-            "SEND_GRAD": self._send_grad,
-            "RECV_GRAD": self._recv_grad,
+            "SEND_ACT": self._send,
+            "RECV_ACT": self._receive,
+            "SEND_GRAD": self._send,
+            "RECV_GRAD": self._receive,
             "REDUCE": self._reduce,
             "STEP": self._step_optimizer,
         }
         self.trace, self.step_index, self.peak_inflight = Trace(), 0, 0
         self.epoch_start = 0  # step_index where the epoch epoch_scalars() will report began
-        # Graphs, not eager ops: per-op Python overhead would dwarf a microbatch's compute.
-        self._compiled_output = tf.function(self._stage_output)
-        self._compiled_gradients = tf.function(self._stage_gradients)
 
     def _who(self, rank: int) -> str:
-        """How errors name a peer: its stage, and its rank for finding the process."""
-        return f"stage {self.grid.stage_of(rank)} (rank {rank})"
+        """How errors name a peer: its stages, and its rank for finding the process."""
+        held = self.schedule.stages_on(self.grid.stage_of(rank))
+        label = "stage" if len(held) == 1 else "stages"
+        return f"{label} {'+'.join(map(str, held))} (rank {rank})"
+
+    def _tensor_shape(self, t: Tensor) -> tuple[int, ...]:
+        """A microbatch's activation out of stage t.stage, or gradient for its input."""
+        first, last = self.bounds[t.stage]
+        return (self.mb_size, *self.shapes[last if t.kind == "ACT" else first])
+
+    def _tensor_bytes(self, t: Tensor) -> int:
+        return 4 * int(np.prod(self._tensor_shape(t)))
+
+    def _peer(self, t: Tensor) -> int:
+        """The pipeline rank at the other end of `t`'s message, seen from this rank."""
+        ranks = self.schedule.stage_ranks
+        return ranks[t.consumer] if ranks[t.stage] == self.position else ranks[t.stage]
+
+    def _tag(self, t: Tensor) -> int:
+        return message_tag(t.stage, self.cfg.microbatches, t.mb, KINDS[t.kind])
 
     def _partition(self, spec: ModelSpec) -> list[tuple[int, int]]:
-        method = self.cfg.partition
+        """The checkpoint's split when resuming (the parts hold its stages), else a fresh one."""
+        stages = self.stage_count
+        if self.cfg.resume and self.cfg.checkpoint_dir:
+            wait = Link(self.world.comm, self.cfg.comm_timeout).wait
+            stored = agree(
+                self.world.comm,
+                wait,
+                lambda: stored_partition(self.cfg.checkpoint_dir, stages, len(spec)),
+            )
+            if stored is not None:
+                log.info(f"partition (from the checkpoint): {partition.describe(stored)}")
+                return stored
+        method = partition_method(self.cfg, len(spec), stages)
         if method == "uniform":
-            bounds, costs = partition.uniform(len(spec), self.stages), None
+            bounds, costs = partition.uniform(len(spec), stages), None
         else:
             costs = self._element_costs(spec, method)
-            bounds = partition.balanced(costs, self.stages)
+            bounds = partition.balanced(costs, stages)
         log.info(f"partition ({method}): {partition.describe(bounds, costs)}")
         return bounds
 
@@ -115,13 +259,12 @@ class PipelineEngine(Checkpointable):
         every rank splits identically. Elements are built one at a time and dropped."""
         costs = np.zeros(len(spec), np.float64)
         if method == "params" or self.world.rank == 0:
-            shapes = spec.shapes()
             for i in range(len(spec)):
                 element = spec.build([i], self.cfg.seed)[0]
                 if method == "params":
                     costs[i] = sum(int(np.prod(v.shape)) for v in element.trainable_weights)
                 else:
-                    costs[i] = _time_element(element, (self.mb_size, *shapes[i]))
+                    costs[i] = _time_element(element, (self.mb_size, *self.shapes[i]))
         if method == "time":
             self.world.comm.Bcast(costs, root=0)
         return costs.tolist()
@@ -135,24 +278,33 @@ class PipelineEngine(Checkpointable):
         self.microbatches = [
             shard(mine, m, self.cfg.microbatches) for m in range(self.cfg.microbatches)
         ]
-        self.grads = [tf.zeros_like(v) for v in self.variables]
-        self.loss, self.inflight, self.received, self.input_grads = 0.0, {}, {}, {}
-        self.output_grads = {}  # split backwards: BI's output gradient, kept for BW
+        for stage in self.stages.values():
+            stage.grads = [tf.zeros_like(v) for v in stage.variables]
+        self.loss, self.stepped = 0.0, 0
+        self.inflight: dict[tuple[int, int], Held] = {}
+        self.ready: dict[Tensor, tf.Tensor] = {}  # received or handed over within this rank
+        self.outbox: dict[Tensor, tf.Tensor] = {}  # computed, for a send action to take
+        self.inbox.post_step()
         for action in self.actions:
             start = time.time()
-            self.dispatch[action.op](action.mb)
+            self.dispatch[action.op](action)
             self.trace.record(self.step_index, action.code, action.mb, start)
         self.step_index += 1
         return self._loss_to_rank0()
 
-    def _reduce(self, _mb: None) -> None:
+    def _reduce(self, a: Action) -> None:
         """REDUCE: once this stage's messages are out, average its gradients over replicas."""
         self.link.flush()
-        self.grads = self._average_over_replicas(self.grads)
+        stage = self.stages[a.stage]
+        stage.grads = self._average_over_replicas(stage.grads)
 
-    def _step_optimizer(self, _mb: None) -> None:
-        """STEP: clip by the norm over all stages, then apply."""
-        grads = self._clip(self.grads)
+    def _step_optimizer(self, _a: Action) -> None:
+        """STEP: at the rank's last one, clip by the norm over all stages, then apply (one
+        collective per rank and step, however many stages each rank holds)."""
+        self.stepped += 1
+        if self.stepped < len(self.stages):
+            return
+        grads = self._clip([g for stage in self.stages.values() for g in stage.grads])
         self.optimizer.apply_gradients(zip(grads, self.variables, strict=True))
 
     def _average_over_replicas(self, grads: list) -> list:
@@ -173,8 +325,10 @@ class PipelineEngine(Checkpointable):
         return [g * (limit / max(norm, limit)) for g in grads]
 
     def _loss_to_rank0(self) -> float:
-        """Each replica's last stage sends its loss to rank 0 as a buffer; rank 0 averages."""
-        last_ranks = [self.grid.pipeline_ranks(d)[-1] for d in range(self.replicas)]
+        """Each replica's rank holding the last stage sends its loss to rank 0 as a buffer;
+        rank 0 averages."""
+        holder = self.schedule.stage_ranks[-1]
+        last_ranks = [self.grid.pipeline_ranks(d)[holder] for d in range(self.replicas)]
         value = np.array([self.loss], np.float64)
         if self.world.rank == 0:
             total = 0.0
@@ -182,110 +336,129 @@ class PipelineEngine(Checkpointable):
                 total += (
                     value[0]
                     if r == 0
-                    else self.world_link.recv_buffer(np.empty(1), r, _tag(LOSS), "the step's loss")[
-                        0
-                    ]
+                    else self.world_link.recv_buffer(np.empty(1), r, LOSS, "the step's loss")[0]
                 )
             return total / self.replicas
-        if self.last_stage:
-            self.world_link.send_buffer(value, 0, _tag(LOSS), "the step's loss")
+        if self.position == holder:
+            self.world_link.send_buffer(value, 0, LOSS, "the step's loss")
             self.world_link.flush()
         return float("nan")
 
     # ---- the actions ----------------------------------------------------------------------
-    def _stage_output(self, x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
-        """The activation sent downstream or, on the last stage, its share of the loss."""
-        out = forward(self.elements, x)
-        return loss_fn(y, out) / self.cfg.microbatches if self.last_stage else out
-
-    def _stage_gradients(
-        self, x: tf.Tensor, y: tf.Tensor, upstream: tf.Tensor, weights=True, inputs=True
-    ) -> list:
-        """Recomputes the forward under a tape (the inputs were kept, not the tape), then the
-        weight gradients and, except on stage 0, the input gradient to send upstream: both for
-        a full backward (B), only one for each half of a split one (BI, BW)."""
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            out = self._stage_output(x, y)
-        sources = (self.variables if weights else []) + (
-            [x] if inputs and not self.first_stage else []
-        )
-        return tape.gradient(out, sources, output_gradients=None if self.last_stage else upstream)
-
-    def _forward(self, mb: int) -> None:
-        idx = self.microbatches[mb]
-        x = tf.constant(self.data.x[idx]) if self.first_stage else self.received.pop(mb)
+    def _forward(self, a: Action) -> None:
+        stage, idx = self.stages[a.stage], self.microbatches[a.mb]
         y = tf.constant(self.data.y[idx])  # labels come from the shared batch order, not a peer
-        out = self._compiled_output(x, y)
-        if self.last_stage:
+        if stage.first:
+            x = tf.constant(self.data.x[idx])
+        else:
+            x = self.ready.pop(consumes(a, self.stage_count))
+        tape = None if self.cfg.recompute else tf.GradientTape()
+        if tape is None:
+            out = stage.output(x, y)
+        else:
+            with tape:
+                if not stage.first:
+                    tape.watch(x)
+                out = stage.output(x, y)
+        if stage.last:
             self.loss += float(out)
-        self.inflight[mb] = (x, y, out)
+        self.inflight[(a.stage, a.mb)] = Held(x, y, out, tape)
         self.peak_inflight = max(self.peak_inflight, len(self.inflight))
+        self._hand_on(a, out)
 
-    def _backward(self, mb: int) -> None:
-        x, y, _ = self.inflight.pop(mb)
-        grads = self._compiled_gradients(x, y, tf.constant(self.grad_in))
-        self._accumulate(grads[: len(self.variables)])
-        if not self.first_stage:
-            self.input_grads[mb] = grads[-1]
+    def _backward(self, a: Action) -> None:
+        held = self.inflight.pop((a.stage, a.mb))
+        weight_grads, input_grad = self._gradients(a, held, self._upstream(a), True, True)
+        self._accumulate(a.stage, weight_grads)
+        self._hand_on(a, input_grad)
 
-    def _backward_input(self, mb: int) -> None:
-        """BI: only the input gradient, sent upstream at once. BW needs the output gradient
-        later, so it is copied: the receive buffer takes the next microbatch's."""
-        x, y, _ = self.inflight[mb]
-        self.output_grads[mb] = tf.constant(self.grad_in)
-        if not self.first_stage:
-            grads = self._compiled_gradients(x, y, self.output_grads[mb], False, True)
-            self.input_grads[mb] = grads[0]
-
-    def _backward_weight(self, mb: int) -> None:
-        """BW: the weight gradients; the microbatch's activations are released here."""
-        x, y, _ = self.inflight.pop(mb)
-        self._accumulate(self._compiled_gradients(x, y, self.output_grads.pop(mb), True, False))
-
-    def _accumulate(self, grads: list) -> None:
-        self.grads = [a + g for a, g in zip(self.grads, grads, strict=True)]
-
-    def _send_act(self, mb: int) -> None:
-        out = np.ascontiguousarray(self.inflight[mb][2].numpy())
-        self.link.send_buffer(out, self.stage + 1, _tag(ACT, mb), f"activation of microbatch {mb}")
-
-    def _recv_act(self, mb: int) -> None:
-        buf = self.act_in[mb % len(self.act_in)]
-        self.link.recv_buffer(buf, self.stage - 1, _tag(ACT, mb), f"activation of microbatch {mb}")
-        self.received[mb] = tf.constant(buf)
-
-    def _send_grad(self, mb: int) -> None:
-        grad = np.ascontiguousarray(self.input_grads.pop(mb).numpy())
-        self.link.send_buffer(grad, self.stage - 1, _tag(GRAD, mb), f"gradient of microbatch {mb}")
-
-    def _recv_grad(self, mb: int) -> None:
-        self.link.recv_buffer(
-            self.grad_in, self.stage + 1, _tag(GRAD, mb), f"gradient of microbatch {mb}"
+    def _backward_input(self, a: Action) -> None:
+        """BI: the input gradient, handed upstream at once. With a saved tape the one backward
+        it allows makes the weight gradients too, kept for BW (so BI + BW costs one B); under
+        --recompute BW redoes the forward for them instead."""
+        held = self.inflight[(a.stage, a.mb)]
+        held.upstream = self._upstream(a)
+        held.weight_grads, input_grad = self._gradients(
+            a, held, held.upstream, not self.cfg.recompute, True
         )
+        self._hand_on(a, input_grad)
+
+    def _backward_weight(self, a: Action) -> None:
+        """BW: the weight gradients are added; the microbatch's activations are released."""
+        held = self.inflight.pop((a.stage, a.mb))
+        if held.weight_grads is None:
+            held.weight_grads, _ = self._gradients(a, held, held.upstream, True, False)
+        self._accumulate(a.stage, held.weight_grads)
+
+    def _upstream(self, a: Action) -> tf.Tensor | None:
+        """The gradient of the stage's output: received, handed over, or none (the loss)."""
+        need = consumes(a, self.stage_count)
+        return None if need is None else self.ready.pop(need)
+
+    def _gradients(
+        self, a: Action, held: Held, upstream, weights: bool, inputs: bool
+    ) -> tuple[list | None, tf.Tensor | None]:
+        """(weight gradients or None, input gradient or None) of one microbatch on a stage."""
+        stage = self.stages[a.stage]
+        sources = stage.sources(held.x, weights, inputs)
+        if not sources:
+            return None, None
+        if held.tape is None:
+            grads = stage.recompute(held.x, held.y, upstream, weights, inputs)
+        else:
+            grads = held.tape.gradient(held.out, sources, output_gradients=upstream)
+        count = len(stage.variables) if weights else 0
+        return (grads[:count] if weights else None), (grads[count] if len(grads) > count else None)
+
+    def _accumulate(self, stage: int, grads: list) -> None:
+        held = self.stages[stage]
+        held.grads = [a + g for a, g in zip(held.grads, grads, strict=True)]
+
+    def _hand_on(self, a: Action, value: tf.Tensor | None) -> None:
+        """What a computation made for a neighbouring stage: kept for a send, or, when that
+        stage is on this rank too, handed over in memory."""
+        made = produces(a, self.stage_count)
+        if made is None:
+            return
+        mine = self.schedule.stage_ranks[made.consumer] == self.position
+        (self.ready if mine else self.outbox)[made] = value
+
+    def _send(self, a: Action) -> None:
+        t = carries(a)
+        out = np.ascontiguousarray(self.outbox.pop(t).numpy())
+        self.link.send_buffer(out, self._peer(t), self._tag(t), _what(t))
+
+    def _receive(self, a: Action) -> None:
+        t = carries(a)
+        self.ready[t] = self.inbox.take(t)
 
     # ---- evaluation, weights, metrics ---------------------------------------------------
     def evaluate(self) -> float:
-        """Forward-only pass through the stages; nothing gathers the whole model."""
+        """Forward-only pass through the stages in order; nothing gathers the whole model."""
         mine = np.arange(len(self.data.x_test))[self.replica :: self.replicas]
-        correct = 0
+        ranks, correct = self.schedule.stage_ranks, 0
         for start in range(0, len(mine), 512):
             idx = mine[start : start + 512]
-            if self.first_stage:
-                x = self.data.x_test[idx]
-            else:
-                x = np.empty((len(idx), *self.act_in.shape[2:]), np.float32)
-                self.link.recv_buffer(x, self.stage - 1, _tag(EVAL), "evaluation activations")
-            out = forward(self.elements, tf.constant(x)).numpy()
-            if self.last_stage:
-                correct += int(np.sum(np.argmax(out, axis=-1) == self.data.y_test[idx]))
-            else:
-                self.link.send_buffer(
-                    np.ascontiguousarray(out), self.stage + 1, _tag(EVAL), "evaluation activations"
-                )
-                self.link.flush()
-        total = len(mine) if self.last_stage else 0
+            x = self.data.x_test[idx]  # stage 0's input, then each stage's output in turn
+            for s, stage in self.stages.items():
+                if not stage.first and ranks[s - 1] != self.position:
+                    x = np.empty((len(idx), *self.shapes[self.bounds[s][0]]), np.float32)
+                    tag = self._evaluation_tag(s - 1)
+                    self.link.recv_buffer(x, ranks[s - 1], tag, "evaluation activations")
+                x = forward(stage.elements, tf.constant(x)).numpy()
+                if stage.last:
+                    correct += int(np.sum(np.argmax(x, axis=-1) == self.data.y_test[idx]))
+                elif ranks[s + 1] != self.position:
+                    out = np.ascontiguousarray(x)
+                    tag = self._evaluation_tag(s)
+                    self.link.send_buffer(out, ranks[s + 1], tag, "evaluation activations")
+                    self.link.flush()
+        total = len(mine) if self.stage_count - 1 in self.stages else 0
         return count_accuracy(self.world.comm, correct, total)
+
+    def _evaluation_tag(self, stage: int) -> int:
+        """Above every training message's tag, one per sending stage."""
+        return message_tag(self.stage_count, self.cfg.microbatches, stage)
 
     def gather_weights(self) -> dict[str, np.ndarray] | None:
         """Replica 0's stages send their weights to rank 0 under the single-process names."""
@@ -296,18 +469,18 @@ class PipelineEngine(Checkpointable):
             header = json.dumps([[k, list(a.shape)] for k, a in mine.items()]).encode()
             flat = np.concatenate([a.ravel() for a in mine.values()]).astype(np.float32)
             for buf in (np.array([len(header)], np.int64), np.frombuffer(header, np.uint8), flat):
-                self.world_link.send_buffer(np.ascontiguousarray(buf), 0, _tag(WEIGHTS), "weights")
+                self.world_link.send_buffer(np.ascontiguousarray(buf), 0, WEIGHTS, "weights")
                 self.world_link.flush()
             return None
         weights = dict(mine)
         for r in self.grid.pipeline_ranks(0)[1:]:
-            size = self.world_link.recv_buffer(np.empty(1, np.int64), r, _tag(WEIGHTS), "weights")
+            size = self.world_link.recv_buffer(np.empty(1, np.int64), r, WEIGHTS, "weights")
             header = self.world_link.recv_buffer(
-                np.empty(int(size[0]), np.uint8), r, _tag(WEIGHTS), "weights"
+                np.empty(int(size[0]), np.uint8), r, WEIGHTS, "weights"
             )
             names = json.loads(header.tobytes())
             flat = np.empty(sum(int(np.prod(s)) for _, s in names), np.float32)
-            self.world_link.recv_buffer(flat, r, _tag(WEIGHTS), "weights")
+            self.world_link.recv_buffer(flat, r, WEIGHTS, "weights")
             offset = 0
             for name, shape in names:
                 n = int(np.prod(shape))
@@ -318,16 +491,18 @@ class PipelineEngine(Checkpointable):
     def layout(self) -> dict:
         return {
             "layout": "stages",
-            "stages": self.stages,
+            "stages": self.stage_count,
+            "stage_ranks": list(self.schedule.stage_ranks),
             "partition": [list(b) for b in self.bounds],
         }
 
     def checkpoint_part(self) -> str | None:
         """One replica per stage writes; the others hold the same weights."""
-        return f"stage{self.stage}" if self.replica == 0 else None
+        return self.read_part() if self.replica == 0 else None
 
     def read_part(self) -> str:
-        return f"stage{self.stage}"
+        """`stage1`, or `stage0+2` for a rank holding several stages."""
+        return "stage" + "+".join(map(str, self.stages))
 
     def epoch_scalars(self) -> dict[str, float]:
         """The bubble measured over this epoch's steps (collective: rank 0 gets the value).
@@ -336,7 +511,7 @@ class PipelineEngine(Checkpointable):
         first, self.epoch_start = self.epoch_start, self.step_index
         if rows is None:
             return {}
-        return {"bubble_measured": measured_bubble(rows, self.stages, skip_first=first == 0)}
+        return {"bubble_measured": measured_bubble(rows, self.ranks, skip_first=first == 0)}
 
     def extra_metrics(self) -> dict:
         rows = self.trace.gather(self.world.comm)
@@ -346,22 +521,25 @@ class PipelineEngine(Checkpointable):
         if rows is None:
             return {}
         if self.cfg.trace:
-            write_chrome_trace(rows, self.stages, self.cfg.trace)
+            write_chrome_trace(rows, self.ranks, self.cfg.trace)
         if self.cfg.gantt:
             from ringtrain.pipeline.gantt import draw_gantt
 
             draw_gantt(
-                timeline(rows, self.stages, self.step_index - 1),
+                timeline(rows, self.ranks, self.step_index - 1),
                 self.cfg.gantt,
-                f"{self.cfg.schedule} P={self.stages} M={self.cfg.microbatches} (measured)",
+                f"{self.schedule.kind} P={self.ranks} M={self.cfg.microbatches} (measured)",
             )
         return {
             "schedule": self.cfg.schedule,
             "microbatches": self.cfg.microbatches,
-            "pp_size": self.stages,
+            "pp_size": self.ranks,
+            "stages": self.stage_count,
+            "stage_ranks": list(self.schedule.stage_ranks),
+            "recompute": self.cfg.recompute,
             "dp_size": self.replicas,
             "partition": [list(b) for b in self.bounds],
-            "bubble_measured": measured_bubble(rows, self.stages),
+            "bubble_measured": measured_bubble(rows, self.ranks),
             "bubble_predicted": self.predicted.bubble,
             "peak_inflight": peaks.tolist(),
             "replica_checksums": checksums,
