@@ -6,10 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ringtrain import cli
 from ringtrain.errors import UserError
+from ringtrain.pipeline.calibrate import stage_seconds
 from ringtrain.pipeline.costs import LinkModel, predict
 from ringtrain.pipeline.generators import SCHEDULES
 from ringtrain.pipeline.ir import (
@@ -22,6 +24,7 @@ from ringtrain.pipeline.ir import (
 from ringtrain.pipeline.lower import naive_lowering
 from ringtrain.pipeline.schedule import build_schedule, load_schedule_file
 from ringtrain.pipeline.simulate import SimResult, simulate
+from ringtrain.pipeline.trace import OPS
 from ringtrain.pipeline.validate import validate
 
 REPO = Path(__file__).resolve().parents[1]
@@ -390,7 +393,7 @@ def test_schedule_code_imports_neither_tensorflow_nor_mpi():
     code = (
         "import sys\n"
         "import ringtrain.pipeline.schedule, ringtrain.pipeline.simulate\n"
-        "import ringtrain.pipeline.schedule_cli, ringtrain.pipeline.costs\n"
+        "import ringtrain.pipeline.schedule_cli, ringtrain.pipeline.calibrate\n"
         "assert 'tensorflow' not in sys.modules and 'mpi4py' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
@@ -413,3 +416,17 @@ def test_a_prediction_adds_measured_compute_and_the_link_s_time_per_message():
     assert result.makespan == pytest.approx(1 + 2 + 2 + 4 + 2 * 0.75)
     with pytest.raises(ValueError, match="no measured time for 1B0"):
         predict(one, {(0, "F"): 1.0, (0, "B"): 1.0, (1, "F"): 1.0})
+
+
+def test_calibration_takes_each_stage_s_median_computation_over_the_steps_asked():
+    """Rows as a gathered trace holds them: step, op, mb, start, end, stage, rank."""
+    f, b = OPS.index("F"), OPS.index("B")
+    rows = np.array(
+        [
+            [0, f, 0, 0.0, 9.0, 0, 0],  # step 0 traced the graphs: left out
+            *([1, f, m, 0.0, 1.0 + m, 0, 0] for m in range(3)),
+            [1, b, 0, 5.0, 7.0, 1, 1],
+            [1, OPS.index("SA"), 0, 1.0, 1.1, 0, 0],  # a message: not a computation
+        ]
+    )
+    assert stage_seconds(rows, [1]) == {(0, "F"): 2.0, (1, "B"): 2.0}

@@ -18,15 +18,18 @@ import platform
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from importlib import metadata
 from pathlib import Path
+from queue import Empty, Queue
 from statistics import median
 
 import numpy as np
 
+from ringtrain import log
 from ringtrain.errors import ProblemsFound, UserError
 
 RESULTS = Path("benchmarks/results")
@@ -215,6 +218,17 @@ def mpirun_command(ranks: int, module: str, *args: str, binding: str | None = No
     ]
 
 
+def host_flags(hosts: str | None) -> list[str]:
+    """mpirun flags placing the two ranks on two hosts (`--hosts a,b`), unbound: a rehearsal
+    node's cores are its own."""
+    if not hosts:
+        return []
+    names = hosts.split(",")
+    if len(names) != 2 or not all(names):
+        raise argparse.ArgumentTypeError(f"--hosts wants two hosts like a,b, got {hosts!r}")
+    return ["--bind-to", "none", "-H", ",".join(f"{h}:1" for h in names)]
+
+
 def binding_flags(binding: str) -> list[str]:
     """The mpirun flags for a `--bind-to` value, also recorded in the benches' JSON."""
     return ["--bind-to", binding]
@@ -299,6 +313,43 @@ def run_bounded(cmd: list[str], env: dict[str, str], timeout: float, log: Path) 
             raise
     if code != 0:
         raise RunFailed(f"the benchmark ranks failed (exit {code}): {last_words(log)}")
+
+
+class Process:
+    """One child: commands go to its stdin; its protocol lines come back through a queue."""
+
+    def __init__(self, role: str, cmd: list[str], env: dict[str, str], logs: Path):
+        self.role, self.log = role, logs / f"{role.replace(' ', '_')}.log"
+        with open(self.log, "w") as err:
+            self.popen = start_session(
+                cmd, env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True
+            )
+        self.replies: Queue[dict | None] = Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.popen.stdout:
+            if line.startswith(PROTOCOL):
+                self.replies.put(json.loads(line[len(PROTOCOL) :]))
+        self.replies.put(None)  # stdout closed: the process ended
+
+    def send(self, message: dict) -> None:
+        try:
+            self.popen.stdin.write(json.dumps(message) + "\n")
+            self.popen.stdin.flush()
+        except OSError:
+            raise RunFailed(f"{self.role} is gone: {last_words(self.log)}") from None
+
+    def receive(self, until: float) -> dict:
+        try:
+            message = self.replies.get(timeout=max(0.0, until - time.monotonic()))
+        except Empty:
+            said = last_words(self.log)
+            raise RunFailed(f"{self.role} did not answer in time; it last said: {said}") from None
+        if message is None:
+            code = self.popen.wait()
+            raise RunFailed(f"{self.role} ended (exit {code}): {last_words(self.log)}")
+        return message
 
 
 # ---- rounds -------------------------------------------------------------------------------
@@ -408,6 +459,28 @@ def horovod_running(comm) -> Iterator[object]:
 def reply(message: dict) -> None:
     """One protocol line to the parent."""
     print(PROTOCOL + json.dumps(message), flush=True)
+
+
+def serve(comm, names: list[str], measure: Callable[[str, int], dict | None]) -> None:
+    """The ranks' side of a long-lived driver: rank 0 reads each command from the parent and
+    broadcasts it; every rank measures the contender named; rank 0 replies with what
+    `measure` returned (a contender it returns None for is skipped). Waits sleep."""
+    command = np.zeros(2, np.int64)  # contender index (-1: quit), steps
+    while True:
+        if comm.Get_rank() == 0:
+            message = read_command()
+            wanted = message["cmd"] == "run"
+            command[:] = (
+                (names.index(message["contender"]), message["steps"]) if wanted else (-1, 0)
+            )
+        idle_wait(comm.Ibcast(command, root=0))
+        if command[0] < 0:
+            return
+        name, steps = names[command[0]], int(command[1])
+        log.any_rank(f"measuring {name}: {steps} steps")  # the last words, should it hang
+        result = measure(name, steps)
+        if comm.Get_rank() == 0 and result is not None:
+            reply({"contender": name, "steps": steps, **result})
 
 
 def read_command() -> dict:

@@ -20,7 +20,7 @@ from pathlib import Path
 from statistics import median
 from typing import TYPE_CHECKING
 
-from ringtrain.bench.common import deadline, mpi_env, mpirun_command, run_bounded
+from ringtrain.bench.common import deadline, host_flags, mpi_env, mpirun_command, run_bounded
 
 if TYPE_CHECKING:
     from ringtrain.data import Dataset
@@ -118,19 +118,10 @@ def _workloads(text: str) -> list[str]:
     return names
 
 
-def _launch(hosts: str | None) -> list[str]:
-    if not hosts:
-        return []
-    names = hosts.split(",")
-    if len(names) != 2 or not all(names):
-        raise argparse.ArgumentTypeError(f"--hosts wants two hosts like a,b, got {hosts!r}")
-    return ["--bind-to", "none", "-H", ",".join(f"{h}:1" for h in names)]
-
-
 def measure(args: argparse.Namespace) -> dict:
     """One mpirun per workload; their reports, summarised."""
     steps = QUICK_STEPS if args.quick else STEPS
-    extra = _launch(getattr(args, "hosts", None))
+    extra = host_flags(getattr(args, "hosts", None))
     folder = Path(tempfile.mkdtemp(prefix="ringtrain-bench-dp-"))
     reports = []
     for workload in map(WORKLOADS.get, args.workloads):

@@ -24,32 +24,27 @@ import argparse
 import json
 import os
 import socket
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from pathlib import Path
-from queue import Empty, Queue
 from typing import TYPE_CHECKING
 
 from ringtrain.bench.common import (
-    PROTOCOL,
     QUIET,
     UNBOUND,
+    Process,
     RunFailed,
     deadline,
     end_session,
-    last_words,
     mpi_env,
     mpirun_command,
     pinning,
     round_ratios,
     session_cpu_seconds,
     spread,
-    start_session,
     summarise_contenders,
 )
 
@@ -126,43 +121,6 @@ def workload() -> tuple[Dataset, ModelSpec]:
 
 
 # ---- the processes the parent drives ------------------------------------------------------
-
-
-class Process:
-    """One child: commands go to its stdin; its protocol lines come back through a queue."""
-
-    def __init__(self, role: str, cmd: list[str], env: dict[str, str], logs: Path):
-        self.role, self.log = role, logs / f"{role.replace(' ', '_')}.log"
-        with open(self.log, "w") as err:
-            self.popen = start_session(
-                cmd, env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True
-            )
-        self.replies: Queue[dict | None] = Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.popen.stdout:
-            if line.startswith(PROTOCOL):
-                self.replies.put(json.loads(line[len(PROTOCOL) :]))
-        self.replies.put(None)  # stdout closed: the process ended
-
-    def send(self, message: dict) -> None:
-        try:
-            self.popen.stdin.write(json.dumps(message) + "\n")
-            self.popen.stdin.flush()
-        except OSError:
-            raise RunFailed(f"{self.role} is gone: {last_words(self.log)}") from None
-
-    def receive(self, until: float) -> dict:
-        try:
-            message = self.replies.get(timeout=max(0.0, until - time.monotonic()))
-        except Empty:
-            said = last_words(self.log)
-            raise RunFailed(f"{self.role} did not answer in time; it last said: {said}") from None
-        if message is None:
-            code = self.popen.wait()
-            raise RunFailed(f"{self.role} ended (exit {code}): {last_words(self.log)}")
-        return message
 
 
 class Group:

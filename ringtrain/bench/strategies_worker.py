@@ -23,14 +23,13 @@ from dataclasses import replace
 
 import numpy as np
 
-from ringtrain import log, runtime
+from ringtrain import runtime
 from ringtrain.bench.common import (
     batch_stream,
     horovod_running,
-    idle_wait,
     ranks_cpus_allowed,
-    read_command,
     reply,
+    serve,
     settings_in_force,
 )
 from ringtrain.bench.strategies import (
@@ -171,26 +170,15 @@ def main(kind: str) -> None:
                 "environment": settings_in_force(),
             }
         )
-    command = np.zeros(2, np.int64)  # contender index (-1: quit), steps
-    while True:
-        if world.rank == 0:
-            message = read_command()
-            wanted = message["cmd"] == "run"
-            command[:] = (
-                (names.index(message["contender"]), message["steps"]) if wanted else (-1, 0)
-            )
-        idle_wait(world.comm.Ibcast(command, root=0))
-        if command[0] < 0:
-            return
-        name, steps = names[command[0]], int(command[1])
+
+    def measure(name: str, steps: int) -> dict | None:
         run, horovod = runners[name]
         if run is None:
-            continue
-        log.any_rank(f"measuring {name}: {steps} steps")  # the last words, should it hang
+            return None
         with horovod_running(world.comm) if horovod else nullcontext():
-            seconds = run(steps)
-        if world.rank == 0:
-            reply({"contender": name, "steps": steps, "seconds": seconds})
+            return {"seconds": run(steps)}
+
+    serve(world.comm, names, measure)
 
 
 if __name__ == "__main__":

@@ -37,10 +37,18 @@ from ringtrain.guard import agree
 from ringtrain.models import ModelSpec, forward, loss_fn, trainable_variables
 from ringtrain.optim import make_optimizer
 from ringtrain.pipeline import partition
+from ringtrain.pipeline.calibrate import CALIBRATION_STEPS, ping_pong, stage_seconds
+from ringtrain.pipeline.costs import FREE_LINK, predict
 from ringtrain.pipeline.grid import Grid
 from ringtrain.pipeline.ir import Action, Tensor, carries, consumes, produces
 from ringtrain.pipeline.simulate import simulate
-from ringtrain.pipeline.trace import Trace, measured_bubble, timeline, write_chrome_trace
+from ringtrain.pipeline.trace import (
+    Trace,
+    measured_bubble,
+    measured_step_seconds,
+    timeline,
+    write_chrome_trace,
+)
 from ringtrain.runtime import World
 from ringtrain.tensorflow_loader import tf
 from ringtrain.weights import replica_checksums
@@ -209,6 +217,11 @@ class PipelineEngine(Checkpointable):
         }
         self.trace, self.step_index, self.peak_inflight = Trace(), 0, 0
         self.epoch_start = 0  # step_index where the epoch epoch_scalars() will report began
+        # The link's figures for the prediction the metrics and the Gantt chart report.
+        wanted = cfg.metrics_out or cfg.gantt
+        sizes = (8, max(self.boundary_bytes, default=8))
+        tag = message_tag(self.stage_count, cfg.microbatches, self.stage_count)  # above all
+        self.link_model = ping_pong(self.link, self.position, sizes, tag) if wanted else FREE_LINK
 
     def _who(self, rank: int) -> str:
         """How errors name a peer: its stages, and its rank for finding the process."""
@@ -288,7 +301,7 @@ class PipelineEngine(Checkpointable):
         for action in self.actions:
             start = time.time()
             self.dispatch[action.op](action)
-            self.trace.record(self.step_index, action.code, action.mb, start)
+            self.trace.record(self.step_index, action.code, action.mb, start, action.stage)
         self.step_index += 1
         return self._loss_to_rank0()
 
@@ -520,16 +533,18 @@ class PipelineEngine(Checkpointable):
         checksums = replica_checksums(self.world.comm, self.variables)
         if rows is None:
             return {}
+        title = f"{self.schedule.kind} P={self.ranks} M={self.cfg.microbatches}"
+        calibration = list(range(1, min(self.step_index, 1 + CALIBRATION_STEPS))) or [0]
+        seconds = stage_seconds(rows, calibration)
+        predicted = predict(self.schedule, seconds, self.link_model, self.boundary_bytes)
         if self.cfg.trace:
             write_chrome_trace(rows, self.ranks, self.cfg.trace)
         if self.cfg.gantt:
-            from ringtrain.pipeline.gantt import draw_gantt
+            from ringtrain.pipeline.gantt import draw_panels
 
-            draw_gantt(
-                timeline(rows, self.ranks, self.step_index - 1),
-                self.cfg.gantt,
-                f"{self.schedule.kind} P={self.ranks} M={self.cfg.microbatches} (measured)",
-            )
+            measured = timeline(rows, self.ranks, self.step_index - 1)
+            panels = [(f"{title}: predicted", predicted.timeline), (f"{title}: measured", measured)]
+            draw_panels(panels, self.cfg.gantt)
         return {
             "schedule": self.cfg.schedule,
             "microbatches": self.cfg.microbatches,
@@ -540,7 +555,16 @@ class PipelineEngine(Checkpointable):
             "dp_size": self.replicas,
             "partition": [list(b) for b in self.bounds],
             "bubble_measured": measured_bubble(rows, self.ranks),
-            "bubble_predicted": self.predicted.bubble,
+            "bubble_predicted": predicted.bubble,
+            "bubble_predicted_unit_costs": self.predicted.bubble,
+            "step_time_measured": measured_step_seconds(rows),
+            "step_time_predicted": predicted.makespan,
+            "calibration": {
+                "steps": calibration,
+                "seconds": {f"{s}{op}": v for (s, op), v in seconds.items()},
+                "link": self.link_model.to_json(),
+                "boundary_bytes": self.boundary_bytes,
+            },
             "peak_inflight": peaks.tolist(),
             "replica_checksums": checksums,
         }

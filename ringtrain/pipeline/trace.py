@@ -14,29 +14,34 @@ import numpy as np
 COMPUTE = ("F", "B", "BI", "BW")
 # Every action's code (schedule IR), and ALLREDUCE: the replica average inside a REDUCE.
 OPS = ("F", "B", "BI", "BW", "SA", "RA", "SG", "RG", "REDUCE", "STEP", "ALLREDUCE")
+# The columns of a gathered trace; a rank records all but the last.
+STEP, OP, MB, START, END, STAGE, RANK = range(7)
+RECORDED = RANK
 
 
 class Trace:
-    """Rows of (step, op, microbatch, start, end) recorded on one rank."""
+    """Rows of (step, op, microbatch, start, end, stage) recorded on one rank."""
 
     def __init__(self):
-        self.rows: list[tuple[int, int, int, float, float]] = []
+        self.rows: list[tuple[int, int, int, float, float, int]] = []
 
-    def record(self, step: int, op: str, mb: int | None, start: float) -> None:
-        """`mb` is None for per-stage actions (REDUCE, STEP, ALLREDUCE), stored as -1."""
-        self.rows.append((step, OPS.index(op), -1 if mb is None else mb, start, time.time()))
+    def record(self, step: int, op: str, mb: int | None, start: float, stage: int = -1) -> None:
+        """`mb` is None for per-stage actions (REDUCE, STEP, ALLREDUCE), stored as -1; so is
+        the stage of what belongs to no one stage."""
+        row = (step, OPS.index(op), -1 if mb is None else mb, start, time.time(), stage)
+        self.rows.append(row)
 
     def gather(self, comm, since: int = 0) -> np.ndarray | None:
-        """All ranks' rows from step `since` on, on rank 0 as an (N, 6) array with the rank
+        """All ranks' rows from step `since` on, on rank 0 as an (N, 7) array with the rank
         appended; None elsewhere."""
         kept = [row for row in self.rows if row[0] >= since] if since else self.rows
-        mine = np.array(kept, dtype=np.float64).reshape(-1, 5)
+        mine = np.array(kept, dtype=np.float64).reshape(-1, RECORDED)
         counts = _gather_counts(comm, len(mine))
         if comm.Get_rank() != 0:
             comm.Gatherv(mine, None, root=0)
             return None
-        merged = np.empty((int(counts.sum()), 5), dtype=np.float64)
-        comm.Gatherv(mine, (merged, counts * 5), root=0)
+        merged = np.empty((int(counts.sum()), RECORDED), dtype=np.float64)
+        comm.Gatherv(mine, (merged, counts * RECORDED), root=0)
         ranks = np.repeat(np.arange(len(counts)), counts)
         return np.column_stack([merged, ranks])
 
@@ -54,33 +59,54 @@ def measured_bubble(rows: np.ndarray, stages: int, skip_first: bool = True) -> f
     bubble is computed separately, then the median is taken.
     """
     values = []
-    steps = sorted({int(s) for s in rows[:, 0]})
-    for step in steps[1:] if skip_first and len(steps) > 1 else steps:
-        at_step = rows[rows[:, 0] == step]
-        for replica in {int(r) // stages for r in at_step[:, 5]}:
-            part = at_step[at_step[:, 5] // stages == replica]
-            compute = part[np.isin(part[:, 1], [OPS.index(op) for op in COMPUTE])]
-            wall = compute[:, 4].max() - compute[:, 3].min()
-            busy = float(np.sum(compute[:, 4] - compute[:, 3]))
+    for step in _steps(rows, skip_first):
+        at_step = rows[rows[:, STEP] == step]
+        for replica in {int(r) // stages for r in at_step[:, RANK]}:
+            compute = computations(at_step[at_step[:, RANK] // stages == replica])
+            wall = compute[:, END].max() - compute[:, START].min()
+            busy = float(np.sum(compute[:, END] - compute[:, START]))
             values.append(1.0 - busy / (stages * wall))
     return float(median(values))
 
 
+def measured_step_seconds(rows: np.ndarray, skip_first: bool = True) -> float:
+    """Median over steps of the wall time from the first computation to the last."""
+    spans = []
+    for step in _steps(rows, skip_first):
+        compute = computations(rows[rows[:, STEP] == step])
+        spans.append(compute[:, END].max() - compute[:, START].min())
+    return float(median(spans))
+
+
+def computations(rows: np.ndarray) -> np.ndarray:
+    """The rows of F, B, BI and BW."""
+    return rows[np.isin(rows[:, OP], [OPS.index(op) for op in COMPUTE])]
+
+
+def _steps(rows: np.ndarray, skip_first: bool) -> list[int]:
+    """The steps in the rows, without the first (it traced the functions) if asked and if
+    there are others."""
+    steps = sorted({int(s) for s in rows[:, STEP]})
+    return steps[1:] if skip_first and len(steps) > 1 else steps
+
+
 def timeline(rows: np.ndarray, stages: int, step: int, replica: int = 0) -> list[list]:
-    """(label, start, end) per stage for one step of one replica: what draw_gantt takes."""
+    """(label, start, end) per pipeline rank for one step of one replica, labelled like the
+    schedule's actions ("1F3"): what draw_gantt takes."""
     lanes: list[list] = [[] for _ in range(stages)]
-    for _step, op, mb, start, end, rank in rows[rows[:, 0] == step]:
-        if int(rank) // stages == replica and OPS[int(op)] in COMPUTE:
-            lanes[int(rank) % stages].append((f"{OPS[int(op)]}{int(mb)}", start, end))
+    for _step, op, mb, start, end, stage, rank in computations(rows[rows[:, STEP] == step]):
+        if int(rank) // stages == replica:
+            label = f"{int(stage)}{OPS[int(op)]}{int(mb)}"
+            lanes[int(rank) % stages].append((label, start, end))
     return lanes
 
 
 def write_chrome_trace(rows: np.ndarray, stages: int, path: str) -> None:
     """chrome://tracing / Perfetto format: one process per replica, one thread per stage."""
-    t0 = rows[:, 3].min()
+    t0 = rows[:, START].min()
     events = [
         {
-            "name": f"{OPS[int(op)]}{int(mb) if int(mb) >= 0 else ''}",
+            "name": f"{_stage(stage)}{OPS[int(op)]}{int(mb) if int(mb) >= 0 else ''}",
             "ph": "X",
             "cat": "step",
             "ts": (start - t0) * 1e6,
@@ -89,7 +115,11 @@ def write_chrome_trace(rows: np.ndarray, stages: int, path: str) -> None:
             "tid": int(rank) % stages,
             "args": {"step": int(step), "rank": int(rank)},
         }
-        for step, op, mb, start, end, rank in rows
+        for step, op, mb, start, end, stage, rank in rows
     ]
     with open(path, "w") as out:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, out)
+
+
+def _stage(stage: float) -> str:
+    return "" if stage < 0 else str(int(stage))
