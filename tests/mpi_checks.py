@@ -40,6 +40,8 @@ REPORTED = (
     "batch_size",
     "schedule",
     "microbatches",
+    "virtual_stages",
+    "recompute",
     "pp_size",
     "accumulate",
     "fp16_allreduce",
@@ -60,11 +62,56 @@ def every_model_and_optimizer(strategy: str, **changes) -> list[TrainConfig]:
     return [case(strategy, m, o, **changes) for m in MODELS for o in OPTIMIZERS]
 
 
+def zero_bubble(world_size: int) -> list[TrainConfig]:
+    """ZB-H1 at M = 1, 3 and 8 (batch 64: 60 has no factor 8) on mlp and transformer, SGD and
+    Adam over the world sizes, and one run twice: with and without --recompute."""
+    zb = functools.partial(case, "pipeline", schedule="zb-h1")
+    runs = {
+        2: [
+            zb("mlp", "sgd", microbatches=1),
+            zb("transformer", "adam", microbatches=3),
+            zb("mlp", "adam", microbatches=8, batch_size=64),
+            zb("mlp", "adam", microbatches=8, batch_size=64, recompute=True),
+        ],
+        3: [
+            zb("transformer", "sgd", microbatches=1),
+            zb("mlp", "adam", microbatches=3),
+            zb("transformer", "adam", microbatches=8, batch_size=64, recompute=True),
+        ],
+        4: [
+            zb("mlp", "adam", microbatches=1),
+            zb("transformer", "sgd", microbatches=3, recompute=True),
+            zb("mlp", "sgd", microbatches=8, batch_size=64),
+        ],
+    }
+    return runs[world_size]
+
+
+def interleaved(world_size: int) -> list[TrainConfig]:
+    """P = 2 ranks of V = 2 stages at M = 2, 4, 6, on mlp and transformer, SGD and Adam, and
+    one run with and without --recompute."""
+    if world_size != 2:
+        return []
+    il = functools.partial(case, "pipeline", schedule="interleaved", virtual_stages=2)
+    return [
+        il("mlp", "sgd", microbatches=2),
+        il("transformer", "adam", microbatches=4),
+        il("transformer", "sgd", microbatches=6, sync_sends=True),
+        il("mlp", "adam", microbatches=6),
+        il("mlp", "adam", microbatches=6, recompute=True),
+    ]
+
+
 def grid(world_size: int) -> list[TrainConfig]:
     """The configurations this world size can run; across 1-4 ranks every strategy meets every
-    model and optimizer, both schedules, odd M, P = 2, 3, 4 and the hybrid grids 2x2, 4x1, 1x4."""
+    model and optimizer, every schedule, odd M, P = 2, 3, 4 and the hybrid grids 2x2, 4x1, 1x4."""
     if world_size == 1:
         return every_model_and_optimizer("single")
+    return pipeline_schedules(world_size) + zero_bubble(world_size) + interleaved(world_size)
+
+
+def pipeline_schedules(world_size: int) -> list[TrainConfig]:
+    """Every strategy with GPipe and 1F1B, at this world size."""
     pipe = functools.partial(case, "pipeline")
     hybrid = functools.partial(case, "hybrid")
     return {
@@ -118,16 +165,26 @@ def grid(world_size: int) -> list[TrainConfig]:
 
 
 def resume_grid(world_size: int) -> list[TrainConfig]:
-    """Stop-and-resume runs: every model, and every engine (data, pipeline, hybrid)."""
+    """Stop-and-resume runs: every model, and every engine (data, pipeline, hybrid). Pipelines
+    resume under the default partition and must keep the checkpoint's (see resume_check)."""
     return {
         1: [],
         2: [
             case("data", "mlp", "sgd"),
             case("data", "transformer", "adam"),
-            case("pipeline", "cnn", "adam", microbatches=3),
+            case("pipeline", "cnn", "adam", microbatches=3, partition="uniform"),
         ],
-        3: [],
-        4: [case("hybrid", "transformer", "adam", pp_size=2, microbatches=3)],
+        3: [
+            case(
+                "pipeline",
+                "transformer",
+                "sgd",
+                schedule="zb-h1",
+                microbatches=3,
+                partition="params",
+            )
+        ],
+        4: [case("hybrid", "transformer", "adam", pp_size=2, microbatches=3, partition="uniform")],
     }[world_size]
 
 
@@ -174,11 +231,12 @@ def run_strategy(cfg: TrainConfig, world: runtime.World, sets: dict) -> tuple[di
 
 
 def resume_check(cfg: TrainConfig, world: runtime.World, sets: dict, folder: str) -> dict:
-    """S steps uninterrupted; then S/2 steps, checkpoint, stop; then resume in fresh engines."""
+    """S steps uninterrupted; then S/2 steps, checkpoint, stop; then resume in fresh engines,
+    with the default partition: a pipeline must split as its checkpoint did."""
     full, full_weights = run_strategy(cfg, world, sets)
     ckpt = replace(cfg, checkpoint_dir=folder)
     stopped, _ = run_strategy(replace(ckpt, stop_after=cfg.steps // 2), world, sets)
-    resumed, weights = run_strategy(replace(ckpt, resume=True), world, sets)
+    resumed, weights = run_strategy(replace(ckpt, resume=True, partition=None), world, sets)
     if world.rank != 0:
         return {}
     return {
@@ -189,6 +247,7 @@ def resume_check(cfg: TrainConfig, world: runtime.World, sets: dict, folder: str
             float(np.max(np.abs(weights[k] - full_weights[k]))) for k in full_weights
         ),
         "same_weight_names": weights.keys() == full_weights.keys(),
+        "partitions": [full.get("partition"), resumed.get("partition")],
         "losses_max_abs_diff": float(
             np.max(np.abs(np.array(resumed["losses"]) - np.array(full["losses"])))
         ),

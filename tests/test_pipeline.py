@@ -8,11 +8,30 @@ import pytest
 from conftest import (
     assert_exact_resume,
     assert_matches_reference,
+    one_line_error,
+    ringtrain,
     train_matches_reference,
 )
 
+from ringtrain.errors import EXIT_USAGE
+from ringtrain.pipeline.ir import Schedule
+from ringtrain.pipeline.schedule import build_schedule
+
 pytestmark = pytest.mark.mpi
 STRATEGIES = ("single", "data", "model", "pipeline", "hybrid")
+
+
+def rank_peaks(schedule: Schedule) -> list[int]:
+    """Per rank, the most microbatches held between a forward and the end of its backward,
+    over all the rank's stages: what the executor reports as peak_inflight."""
+    peaks = []
+    for row in schedule.actions:
+        held = peak = 0
+        for a in row:
+            held += (a.op == "F") - (a.op in ("B", "BW"))
+            peak = max(peak, held)
+        peaks.append(peak)
+    return peaks
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4])
@@ -22,15 +41,48 @@ def test_pipeline_and_model_parallel_match_the_independent_reference(stages, gri
     for r in results:
         c, m = r["config"], r["config"]["microbatches"]
         assert r["stages"] == stages
-        # Memory: 1F1B holds at most min(P - s, M) microbatches at stage s, GPipe holds M.
-        expected = [m if c["schedule"] == "gpipe" else min(stages - s, m) for s in range(stages)]
-        assert r["peak_inflight"] == expected, r
+        schedule = build_schedule(c["schedule"], stages, m, c["virtual_stages"])
+        assert r["peak_inflight"] == rank_peaks(schedule), r
+        # Memory: 1F1B holds at most min(P - s, M) microbatches at stage s, GPipe holds M,
+        # ZB-H1 at most P on every stage.
+        if c["schedule"] in ("gpipe", "1f1b"):
+            expected = [
+                m if c["schedule"] == "gpipe" else min(stages - s, m) for s in range(stages)
+            ]
+            assert r["peak_inflight"] == expected, r
+        if c["schedule"] == "zb-h1":
+            assert max(r["peak_inflight"]) <= stages, r
     kinds = {(r["config"]["strategy"], r["config"]["schedule"]) for r in results}
     assert {("model", "1f1b"), ("pipeline", "gpipe"), ("pipeline", "1f1b")} <= kinds
     assert any(r["config"]["microbatches"] in (3, 5) for r in results)  # odd M
     if stages == 2:
         assert any(r["config"]["sync_sends"] for r in results)  # Ssend: no reliance on buffering
         assert any(r["config"]["clip_norm"] for r in results)
+
+
+def test_interleaved_and_zero_bubble_cover_their_grid(grid_checks):
+    """Exactness is checked above; here, that the grid holds the cases the schedules need:
+    interleaved P=2 V=2 at M = 2, 4, 6; ZB-H1 at P = 2, 3, 4 and M = 1, 3, 8; each on mlp and
+    transformer with SGD and Adam; each once with and without --recompute."""
+    every = [r for ranks in (2, 3, 4) for r in grid_checks.results(ranks, "pipeline")]
+    runs = {kind: [r for r in every if r["config"]["schedule"] == kind] for kind in SPLIT}
+    interleaved = {(r["stages"], r["config"]["virtual_stages"]) for r in runs["interleaved"]}
+    assert interleaved == {(2, 2)}
+    assert {r["config"]["microbatches"] for r in runs["interleaved"]} == {2, 4, 6}
+    cells = {(r["stages"], r["config"]["microbatches"]) for r in runs["zb-h1"]}
+    assert cells == {(p, m) for p in (2, 3, 4) for m in (1, 3, 8)}
+    for kind, results in runs.items():
+        pairs = {(r["config"]["model"], r["config"]["optimizer"]) for r in results}
+        assert pairs == {(m, o) for m in ("mlp", "transformer") for o in ("sgd", "adam")}, kind
+        configs = [r["config"] for r in results]
+        twins = [c for c in configs if c["recompute"] and {**c, "recompute": False} in configs]
+        assert twins, kind
+    assert all(
+        r["config"]["recompute"] is False for r in every if r["config"]["schedule"] == "1f1b"
+    )
+
+
+SPLIT = ("interleaved", "zb-h1")
 
 
 def test_every_strategy_meets_every_model_and_optimizer_at_the_default_adam_lr(grid_checks):
@@ -48,10 +100,18 @@ def test_every_strategy_meets_every_model_and_optimizer_at_the_default_adam_lr(g
     assert hybrid == {(2, 2), (4, 1), (1, 4)}
 
 
-def test_pipeline_resume_is_bit_for_bit(grid_checks):
-    checks = grid_checks.resumes(2, "pipeline")
+def test_pipeline_resume_is_bit_for_bit_and_keeps_the_checkpoints_partition(grid_checks):
+    checks = grid_checks.resumes(2, "pipeline") + grid_checks.resumes(3, "pipeline")
     assert_exact_resume(checks)
-    assert {c["config"]["model"] for c in checks} == {"cnn"}
+    assert {(c["config"]["model"], c["config"]["schedule"]) for c in checks} == {
+        ("cnn", "1f1b"),
+        ("transformer", "zb-h1"),
+    }
+    for c in checks:  # resumed under the default (time) partition, it kept the stored one
+        full, resumed = c["partitions"]
+        assert full == resumed, c
+    # params splits 4 elements over 3 stages unlike uniform: the reuse is not a coincidence
+    assert [[0, 1], [1, 2], [2, 4]] in [c["partitions"][1] for c in checks]
 
 
 @pytest.mark.parametrize(
@@ -75,12 +135,56 @@ def test_cli_pipeline_matches_the_independent_reference(
         str(trace),
         "--gantt",
         str(gantt),
+        "--partition",
+        "uniform",
         ranks=2,
     )
     assert report["partition"] == [[0, 2], [2, 4]]
     assert 0.0 <= report["bubble_measured"] < 1.0
     expected_bubble = 1 / (int(micro) + 1)  # (P-1)/(M+P-1) with P=2
-    assert report["bubble_predicted"] == pytest.approx(expected_bubble)
+    assert report["bubble_predicted_unit_costs"] == pytest.approx(expected_bubble)
+    # The prediction from the run's own calibration: its first steps and a ping-pong.
+    assert 0.0 <= report["bubble_predicted"] < 1.0 and report["step_time_predicted"] > 0
+    assert report["calibration"]["link"]["bytes_per_second"] > 0
+    assert report["calibration"]["steps"] == [1, 2, 3]
     events = json.loads(trace.read_text())["traceEvents"]
     assert {e["tid"] for e in events} == {0, 1}
     assert gantt.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_runs_a_schedule_file_equal_to_1f1b_exactly(tmp_path, cli_reference):
+    printed = ringtrain(
+        "schedule", "--kind", "1f1b", "--stages", "2", "--microbatches", "4", "--json"
+    )
+    assert printed.returncode == 0, printed.stderr
+    path = tmp_path / "mine.json"
+    path.write_text(printed.stdout)
+    _, report = train_matches_reference(
+        cli_reference, tmp_path, "--strategy", "pipeline", "--schedule", str(path), ranks=2
+    )
+    assert report["schedule"] == str(path) and report["stage_ranks"] == [0, 1]
+
+
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        ("swap", "rank 1 action 0 (1F0): runs before receiving its activation"),
+        ("ranks", "is for 3 pipeline ranks, but this run has 1"),
+    ],
+)
+def test_cli_refuses_a_bad_schedule_file_in_one_line(tmp_path, change, needle):
+    if change == "swap":
+        doc = json.loads(
+            ringtrain("schedule", "--kind", "1f1b", "-P", "2", "-M", "4", "--json").stdout
+        )
+        doc["actions"][1][:2] = doc["actions"][1][1::-1]
+    else:
+        doc = json.loads(
+            ringtrain("schedule", "--kind", "1f1b", "-P", "3", "-M", "4", "--json").stdout
+        )
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(doc))
+    done = ringtrain("train", "--strategy", "pipeline", "--schedule", str(path))
+    one_line_error(done, needle)
+    assert done.returncode == EXIT_USAGE
+    assert len([line for line in done.stderr.splitlines() if line.strip()]) == 1, done.stderr
