@@ -29,28 +29,37 @@ def _mode(report: dict) -> str:
 
 def pipeline_table(report: dict) -> str:
     lines = [
-        "| contender | samples/s (median, min–max) | × single | bubble measured | "
-        "bubble predicted | peak in-flight | peak boundary bytes |",
-        "|---|---|---|---|---|---|---|",
+        "| contender | samples/s (median, min–max) | × 1 thread | × 2 threads | bubble measured "
+        "| bubble predicted | step ms measured / predicted | peak in-flight per stage | "
+        "activation MB per stage at peak |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for e in report["summary"]:
         rate = _range(e, "samples_per_sec")
+        ratios = f"{e['speedup_vs_single_median']:.2f} | {e['vs_single_2_threads_median']:.2f}"
         if "bubble_gap" not in e:
-            lines.append(f"| {e['contender']} | {rate} | 1.00 | | | | |")
+            lines.append(f"| {e['contender']} | {rate} | {ratios} | | | | | |")
             continue
+        memory = ", ".join(f"{b / 1e6:.1f}" for b in e["activation_bytes_peak"])
         lines.append(
-            f"| {e['contender']} | {rate} | {e['speedup_vs_single_median']:.2f} | "
-            f"{e['bubble_measured_median']:.3f} | {e['bubble_predicted_median']:.3f} | "
-            f"{e['peak_inflight']} | {e['peak_activation_bytes']} |"
+            f"| {e['contender']} | {rate} | {ratios} | {e['bubble_measured_median']:.3f} | "
+            f"{e['bubble_predicted_median']:.3f} | {e['step_time_measured_median'] * 1e3:.0f} / "
+            f"{e['step_time_predicted_median'] * 1e3:.0f} | {e['peak_inflight']} | {memory} |"
         )
     met = ", ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in report["targets"].items())
-    facts = report["machine"]
+    facts, work = report["machine"], report["workload"]
     intro = (
-        f"`ringtrain bench pipeline` on {facts['cpus']} cores ({facts['machine']}), CNN on "
-        "synthetic 32×32×3, global batch 64, P=2, one thread per rank, "
-        f"{report['raw']['rounds']} alternating rounds{_mode(report)}."
+        f"`ringtrain bench pipeline`, {report['setting']}, on {facts['cpus']} cores "
+        f"({facts['cpu_model']}): {work['model']} on synthetic "
+        f"{'×'.join(map(str, work['input']))}, global batch {work['global_batch']}, P=2 ranks "
+        f"of one thread each (bound to a core each), against one process with one thread (one "
+        f"core) and with two (both cores); medians of {report['rounds']} alternating rounds of "
+        f"{report['steps_per_measurement']} steps{_mode(report)}. Predictions come from each "
+        "run's calibration (stage times over the steps after tracing, and a ping-pong link "
+        "model)."
     )
-    picture = "![pipeline benchmark](benchmarks/results/pipeline.png)"
+    name = Path(report.get("png", "benchmarks/results/pipeline.png")).name
+    picture = f"![pipeline benchmark](benchmarks/results/{name})"
     return "\n".join([intro, "", *lines, "", f"Targets: {met}.", "", picture])
 
 
@@ -197,6 +206,7 @@ def dp_table(report: dict) -> str:
 
 SECTIONS = {
     "pipeline": pipeline_table,
+    "pipeline-cluster": pipeline_table,
     "strategies": strategies_table,
     "allreduce": allreduce_table,
     "dp": dp_table,

@@ -65,17 +65,38 @@ def rounds_per_contender(rows: list[dict]) -> dict[str, list[int]]:
 
 @pytest.mark.mpi
 def test_bench_pipeline_quick(tmp_path):
+    """Every schedule kind and both single processes take every round; each pipeline is
+    reported with its prediction from the run's calibration and its activation memory."""
     report = quick_bench("pipeline", tmp_path)
-    rows = report["raw"]["raw"]
-    expected = {"single"} | {f"{k} M={m}" for k in ("gpipe", "1f1b") for m in (1, 2, 4, 8, 16)}
+    rows = report["raw"]
+    expected = {"single 1 thread", "single 2 threads"} | {
+        "gpipe M=2",
+        "1f1b M=8",
+        "interleaved M=8",
+        "zb-h1 M=8",
+    }
     assert set(rounds_per_contender(rows)) == expected
     assert all(r == [0, 1, 2] for r in rounds_per_contender(rows).values())
     assert all(r["samples_per_sec"] > 0 for r in rows)
     for e in report["summary"]:
         assert e["samples_per_sec_min"] <= e["samples_per_sec_median"] <= e["samples_per_sec_max"]
         assert len(e["speedup_vs_single_per_round"]) == 3
+    pipes = {e["contender"]: e for e in report["summary"] if "bubble_gap" in e}
+    assert set(pipes) == expected - {"single 1 thread", "single 2 threads"}
+    for e in pipes.values():
+        assert 0 <= e["bubble_predicted_median"] < 1 and e["step_time_predicted_median"] > 0
+        stages = 4 if e["schedule"] == "interleaved" else 2
+        assert len(e["activation_bytes_peak"]) == len(e["peak_inflight"]) == stages
+        assert e["calibration"]["link"]["bytes_per_second"] > 0
+    assert pipes["zb-h1 M=8"]["calibration"]["seconds"].keys() >= {
+        f"{s}{op}" for s in (0, 1) for op in ("F", "BI", "BW")
+    }
+    ready = report["ready"]
+    assert (
+        ready["single 1 thread"]["cpus_allowed_list"]
+        != ready["single 2 threads"]["cpus_allowed_list"]
+    )
     assert all(isinstance(v, bool) for v in report["targets"].values())
-    assert report["threads"] == {"intra_op": 1, "inter_op": 1, "ranks": 2}
 
 
 STRATEGIES = [

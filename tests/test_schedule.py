@@ -418,8 +418,9 @@ def test_a_prediction_adds_measured_compute_and_the_link_s_time_per_message():
         predict(one, {(0, "F"): 1.0, (0, "B"): 1.0, (1, "F"): 1.0})
 
 
-def test_calibration_takes_each_stage_s_median_computation_over_the_steps_asked():
-    """Rows as a gathered trace holds them: step, op, mb, start, end, stage, rank."""
+def test_calibration_takes_each_stage_s_action_times_over_the_steps_asked():
+    """Rows as a gathered trace holds them: step, op, mb, start, end, stage, rank. Every
+    action's median, a receive's least (waiting is the simulator's to work out)."""
     f, b = OPS.index("F"), OPS.index("B")
     rows = np.array(
         [
@@ -429,4 +430,20 @@ def test_calibration_takes_each_stage_s_median_computation_over_the_steps_asked(
             [1, OPS.index("SA"), 0, 1.0, 1.1, 0, 0],  # a message: not a computation
         ]
     )
-    assert stage_seconds(rows, [1]) == {(0, "F"): 2.0, (1, "B"): 2.0}
+    assert stage_seconds(rows, [1]) == {
+        (0, "F"): 2.0,
+        (1, "B"): 2.0,
+        (0, "SEND_ACT"): pytest.approx(0.1),
+    }
+    receives = np.array([[1, OPS.index("RA"), m, 0.0, 1.0 + m, 1, 1] for m in range(3)])
+    assert stage_seconds(receives, [1]) == {(1, "RECV_ACT"): 1.0}  # the least: no waiting
+
+
+def test_a_message_s_host_work_delays_its_arrival_and_its_receiver():
+    """1F1B, P=2, M=1, F = B = 1: the send's 0.25 s of host work and the receive's 0.5 s
+    both lie on the critical path, twice: 4 + 2 * 0.75."""
+    one = built("1f1b", 2, 1)[0]
+    seconds = {(s, op): 1.0 for s in (0, 1) for op in ("F", "B")}
+    seconds |= {(0, "SEND_ACT"): 0.25, (1, "SEND_GRAD"): 0.25}
+    seconds |= {(1, "RECV_ACT"): 0.5, (0, "RECV_GRAD"): 0.5}
+    assert predict(one, seconds).makespan == pytest.approx(4 + 2 * 0.75)

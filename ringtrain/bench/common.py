@@ -120,7 +120,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         result = bench.measure(args)
     except RunFailed as exc:
         raise ProblemsFound(str(exc)) from None
-    result |= {"machine": machine_facts(), "quick": args.quick}
+    result |= {"machine": machine_facts(), "quick": args.quick, "png": args.png}
     result["wall_seconds"] = time.perf_counter() - started
     write_json(args.out, result)
     bench.draw(result, args.png)
@@ -421,6 +421,16 @@ def cpus_allowed(pid: int | str = "self") -> str:
 def ranks_cpus_allowed(comm) -> list[str]:
     """Every rank's Cpus_allowed_list, in rank order, at rank 0 (None elsewhere)."""
     return comm.gather(cpus_allowed(), root=0)
+
+
+def bench_config(model: str, batch: int, lr: float, seed: int, **changes):
+    """What every bench trains with: synthetic data and plain SGD, and a communication
+    deadline (300 s) that no run that is merely slow, on a loaded machine, comes near."""
+    from ringtrain.config import TrainConfig
+
+    settings = {"strategy": "single", "dataset": "synthetic", "optimizer": "sgd"}
+    settings |= {"comm_timeout": 300, **changes}
+    return TrainConfig(model=model, batch_size=batch, lr=lr, seed=seed, **settings)
 
 
 def batch_stream(n_examples: int, count: int, batch: int, seed: int) -> np.ndarray:

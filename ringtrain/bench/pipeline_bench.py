@@ -1,129 +1,222 @@
-"""`ringtrain bench pipeline`: measured against predicted bubble, GPipe and 1F1B, P=2.
+"""`ringtrain bench pipeline`: the pipeline schedules against one process, on the clock.
 
-The two ranks run one thread each (fair against the single process's one thread). The
-simulator is fed the per-stage F and B times measured in the same run.
+The workload is a wider transformer, about 10 ms or more of forward per microbatch on one
+core, cut into 2 stages (4 for interleaving) by measured time. Three long-lived contender
+processes start once: the 2 pipeline ranks (mpirun, one core each), a single process with one
+thread on one core, and a single process with two threads on both cores. Then the contenders
+take turns, round after round, each timing `steps` steps while the others sleep.
+
+Each pipeline contender reports, beside samples/s, its bubble measured from its own trace and
+the bubble and step time the simulator predicts from the run's calibration (each stage's F, B,
+BI, BW timed over the steps after tracing, before the rounds; a ping-pong link model), and its
+activation memory: the peak microbatches in flight per stage times what the executor holds for
+each (the stage's input plus, with saved tapes, every element's output: an estimate, since a
+tape may keep a layer's intermediates too).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
+import time
+from contextlib import suppress
 from pathlib import Path
 from statistics import median
 
 from ringtrain.bench.common import (
+    Process,
+    RunFailed,
     deadline,
+    end_session,
+    host_flags,
     mpi_env,
     mpirun_command,
-    run_bounded,
     summarise_contenders,
 )
 
-MICROBATCHES = [1, 2, 4, 8, 16]
+BATCH, LR, SEED = 64, 0.01, 0
+SAMPLES, SHAPE, CLASSES = 1024, (32, 32, 3), 10
+DIM, BLOCKS = 192, 4  # transformer(dim=192, blocks=4): 6 elements
+SINGLE, SINGLE_BOTH = "single 1 thread", "single 2 threads"
+# pipeline contender -> (schedule, microbatches M, virtual stages V)
+PIPELINES = {
+    "gpipe M=2": ("gpipe", 2, 1),
+    "1f1b M=2": ("1f1b", 2, 1),
+    "gpipe M=8": ("gpipe", 8, 1),
+    "1f1b M=8": ("1f1b", 8, 1),
+    "interleaved M=8": ("interleaved", 8, 2),
+    "zb-h1 M=8": ("zb-h1", 8, 1),
+}
+QUICK_PIPELINES = ["gpipe M=2", "1f1b M=8", "interleaved M=8", "zb-h1 M=8"]
+STEPS, QUICK_STEPS = 30, 3
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--hosts", help="two hosts for the two stages, e.g. node1,node2")
+    parser.add_argument("--label", help="names the setting in the report, e.g. 'capped 1 Gbit/s'")
+
+
+def _processes(logs: Path, names: list[str], hosts: str | None) -> dict[str, Process]:
+    """The three contender processes; each binds as its users would: a rank or the 1-thread
+    process to one core, the 2-thread process to both (across hosts, a node's cores)."""
+    worker = "ringtrain.bench.pipeline_worker"
+    ranks = mpirun_command(2, worker, "ranks", ",".join(names), binding="core")
+    placed = host_flags(hosts)
+    if placed:
+        ranks = [ranks[0], *placed, *ranks[1:]]
+    return {
+        "pipeline": Process("pipeline ranks", ranks, mpi_env(1), logs),
+        SINGLE: Process(
+            SINGLE, mpirun_command(1, worker, "single", SINGLE, binding="core"), mpi_env(1), logs
+        ),
+        SINGLE_BOTH: Process(
+            SINGLE_BOTH,
+            mpirun_command(1, worker, "single", SINGLE_BOTH, binding="none"),
+            mpi_env(2),
+            logs,
+        ),
+    }
 
 
 def measure(args: argparse.Namespace) -> dict:
-    """One 2-rank mpirun in which every contender takes its turn, round after round."""
-    steps = 2 if args.quick else 8
+    """Start the three processes, then alternate every contender, round after round."""
+    names = QUICK_PIPELINES if args.quick else list(PIPELINES)
+    steps = QUICK_STEPS if args.quick else STEPS
+    limit = time.monotonic() + deadline(args.quick)
+    rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
-        raw_path = Path(tmp) / "raw.json"
-        cmd = mpirun_command(
-            2,
-            "ringtrain.bench.pipeline_worker",
-            str(raw_path),
-            str(args.rounds),
-            str(steps),
-            ",".join(map(str, MICROBATCHES)),
+        processes = _processes(Path(tmp), names, getattr(args, "hosts", None))
+        try:
+            ready = {role: p.receive(limit) for role, p in processes.items()}
+            order = [SINGLE, SINGLE_BOTH, *names]
+            for round_index in range(args.rounds):
+                shift = round_index % len(order)
+                for contender in order[shift:] + order[:shift]:
+                    process = processes.get(contender, processes["pipeline"])
+                    process.send({"cmd": "run", "contender": contender, "steps": steps})
+                    reply = process.receive(limit)
+                    reply["samples_per_sec"] = BATCH * steps / reply["seconds"]
+                    rows.append({"round": round_index, **reply})
+        finally:
+            for p in processes.values():
+                with suppress(RunFailed):
+                    p.send({"cmd": "quit"})
+                end_session(p.popen)
+    setting = getattr(args, "label", None) or (
+        f"across {args.hosts}" if getattr(args, "hosts", None) else "one host, shared memory"
+    )
+    return summarise(rows) | {
+        "setting": setting,
+        "rounds": args.rounds,
+        "steps_per_measurement": steps,
+        "workload": {
+            "model": f"transformer(dim={DIM}, blocks={BLOCKS}) (ringtrain.models)",
+            "input": list(SHAPE),
+            "samples": SAMPLES,
+            "global_batch": BATCH,
+            "optimizer": f"SGD(learning_rate={LR})",
+        },
+        "ready": ready,
+    }
+
+
+def summarise(rows: list[dict]) -> dict:
+    """Medians and ranges per contender, ratios to both single processes matched round by
+    round, the prediction's errors, and the issue's targets."""
+    summary = summarise_contenders(rows, "samples_per_sec", SINGLE, "speedup_vs_single")
+    both = {r["round"]: r["samples_per_sec"] for r in rows if r["contender"] == SINGLE_BOTH}
+    for entry in summary:
+        mine = [r for r in rows if r["contender"] == entry["contender"]]
+        entry["vs_single_2_threads_median"] = median(
+            r["samples_per_sec"] / both[r["round"]] for r in mine if r["round"] in both
         )
-        run_bounded(cmd, mpi_env(threads=1), deadline(args.quick), Path(tmp) / "ranks.log")
-        raw = json.loads(raw_path.read_text())
-    return summarise(raw) | {"threads": {"intra_op": 1, "inter_op": 1, "ranks": 2}}
+        if "bubble_measured" not in mine[0]:
+            continue
+        for key in ("bubble_measured", "bubble_predicted", "step_time_measured"):
+            entry[f"{key}_median"] = median(r[key] for r in mine)
+        entry["step_time_predicted_median"] = median(r["step_time_predicted"] for r in mine)
+        gap = entry["bubble_measured_median"] - entry["bubble_predicted_median"]
+        entry["bubble_gap"] = abs(gap)
+        entry["step_time_error"] = (
+            entry["step_time_predicted_median"] / entry["step_time_measured_median"] - 1
+        )
+        for key in ("schedule", "microbatches", "virtual_stages", "peak_inflight"):
+            entry[key] = mine[0][key]
+        entry["activation_bytes_peak"] = mine[0]["activation_bytes_peak"]
+        entry["calibration"] = mine[0]["calibration"]
+    return {"raw": rows, "summary": summary, "targets": _targets(summary)}
+
+
+def _targets(summary: list[dict]) -> dict[str, bool]:
+    by_name = {e["contender"]: e for e in summary}
+    pipelines = [e for e in summary if "bubble_gap" in e]
+    one, zero = by_name.get("1f1b M=8"), by_name.get("zb-h1 M=8")
+    targets = {
+        "bubble_within_0.03_for_every_schedule": all(e["bubble_gap"] <= 0.03 for e in pipelines),
+        "step_time_within_10pct_for_every_schedule": all(
+            abs(e["step_time_error"]) <= 0.10 for e in pipelines
+        ),
+    }
+    if one is not None:
+        targets["1f1b_M8_at_least_1.5x_single_1_thread"] = one["speedup_vs_single_median"] >= 1.5
+        targets["1f1b_M8_beats_single_2_threads"] = one["vs_single_2_threads_median"] > 1.0
+    if one is not None and zero is not None:
+        targets["zb-h1_bubble_below_1f1b"] = (
+            zero["bubble_measured_median"] < one["bubble_measured_median"]
+        )
+        targets["zb-h1_at_least_1f1b_samples_per_sec"] = (
+            zero["samples_per_sec_median"] >= one["samples_per_sec_median"]
+        )
+    return targets
 
 
 def describe(report: dict) -> list[str]:
-    return [
-        f"{row['contender']:>12}: {row['samples_per_sec_median']:8.1f} samples/s"
-        + (
-            f"  bubble measured {row['bubble_measured_median']:.3f} predicted "
-            f"{row['bubble_predicted_median']:.3f}"
-            if "bubble_measured_median" in row
-            else ""
+    lines = []
+    for e in report["summary"]:
+        line = (
+            f"{e['contender']:>16}: {e['samples_per_sec_median']:8.1f} samples/s "
+            f"({e['speedup_vs_single_median']:.2f}x 1 thread, "
+            f"{e['vs_single_2_threads_median']:.2f}x 2 threads)"
         )
-        for row in report["summary"]
-    ]
-
-
-def summarise(raw: dict) -> dict:
-    """Medians and ranges per contender; throughput ratios to single, computed per round."""
-    rows = raw["raw"]
-    summary = summarise_contenders(rows, "samples_per_sec", "single", "speedup_vs_single")
-    for entry in summary:
-        mine = [r for r in rows if r["contender"] == entry["contender"]]
-        if "bubble_measured" in mine[0]:
-            for key in ("bubble_measured", "bubble_predicted", "bubble_predicted_unit"):
-                entry[f"{key}_median"] = median(r[key] for r in mine)
-            entry["bubble_gap"] = abs(
-                entry["bubble_measured_median"] - entry["bubble_predicted_median"]
+        if "bubble_gap" in e:
+            line += (
+                f"  bubble {e['bubble_measured_median']:.3f} measured, "
+                f"{e['bubble_predicted_median']:.3f} predicted; step "
+                f"{e['step_time_measured_median'] * 1e3:.1f} ms measured, "
+                f"{e['step_time_predicted_median'] * 1e3:.1f} ms predicted"
             )
-            entry |= {
-                k: mine[0][k]
-                for k in (
-                    "schedule",
-                    "microbatches",
-                    "peak_inflight",
-                    "boundary_bytes_per_microbatch",
-                )
-            }
-            entry["peak_activation_bytes"] = [
-                p * entry["boundary_bytes_per_microbatch"][0] for p in entry["peak_inflight"]
-            ]
-    pipelines = [e for e in summary if "bubble_gap" in e]
-    target = next((e for e in pipelines if e["contender"] == "1f1b M=8"), None)
-    targets = {
-        "bubble_within_0.05_at_every_M": all(e["bubble_gap"] <= 0.05 for e in pipelines),
-        "1f1b_M8_speedup_at_least_1.5": bool(target and target["speedup_vs_single_median"] >= 1.5),
-    }
-    return {"raw": raw, "summary": summary, "targets": targets}
+        lines.append(line)
+    lines += [f"target {k}: {'met' if v else 'NOT met'}" for k, v in report["targets"].items()]
+    return lines
 
 
 def draw(report: dict, path: str) -> None:
-    """Bubble against M (measured and predicted), and speed-up over one process."""
+    """Bubble measured and predicted per schedule, and throughput over one process."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for kind, colour in (("gpipe", "tab:blue"), ("1f1b", "tab:orange")):
-        rows = [e for e in report["summary"] if e.get("schedule") == kind]
-        ms = [e["microbatches"] for e in rows]
-        left.plot(
-            ms,
-            [e["bubble_measured_median"] for e in rows],
-            "o-",
-            color=colour,
-            label=f"{kind} measured",
-        )
-        left.plot(
-            ms,
-            [e["bubble_predicted_median"] for e in rows],
-            "x--",
-            color=colour,
-            label=f"{kind} predicted",
-        )
-        right.plot(
-            ms, [e["speedup_vs_single_median"] for e in rows], "o-", color=colour, label=kind
-        )
-    left.set(xscale="log", xlabel="microbatches M", ylabel="bubble", title="bubble, P=2")
-    right.axhline(1.0, color="grey", lw=0.8)
-    right.set(
-        xscale="log",
-        xlabel="microbatches M",
-        ylabel="throughput / single process",
-        title="speed-up over one process",
+    pipes = [e for e in report["summary"] if "bubble_gap" in e]
+    names = [e["contender"] for e in pipes]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
+    x = range(len(pipes))
+    left.bar(
+        [i - 0.2 for i in x], [e["bubble_measured_median"] for e in pipes], 0.4, label="measured"
     )
+    left.bar(
+        [i + 0.2 for i in x], [e["bubble_predicted_median"] for e in pipes], 0.4, label="predicted"
+    )
+    left.set_xticks(list(x), names, rotation=30, ha="right", fontsize=8)
+    left.set(ylabel="bubble", title=f"bubble, P=2 ({report['setting']})")
     left.legend(fontsize=8)
-    right.legend(fontsize=8)
+    every = report["summary"]
+    right.bar(range(len(every)), [e["speedup_vs_single_median"] for e in every])
+    right.axhline(1.0, color="grey", lw=0.8)
+    right.set_xticks(
+        range(len(every)), [e["contender"] for e in every], rotation=30, ha="right", fontsize=8
+    )
+    right.set(ylabel="samples/s over 1 thread", title="throughput over one process")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,12 +1,12 @@
-"""Runs inside both ranks of `mpirun -np 2`: the pipeline benchmark's measurements.
+"""The pipeline benchmark's processes: `ranks NAMES` (the 2 pipeline ranks, every pipeline
+contender in NAMES) or `single NAME` (one process, its threads from RINGTRAIN_THREADS).
 
-Rounds alternate every contender (single process on rank 0, then GPipe and 1F1B at each M) so
-machine drift hits them all alike. Rank 0 writes every raw timing to the JSON file given.
+Each builds its engines, traces them and calibrates the pipelines once, says it is ready,
+then serves the parent's commands: time a contender for some steps and report.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from dataclasses import replace
@@ -14,113 +14,148 @@ from dataclasses import replace
 import numpy as np
 
 from ringtrain import runtime
-from ringtrain.bench.common import idle_barrier
-from ringtrain.config import TrainConfig
-from ringtrain.data import epoch_batches, load_synthetic
-from ringtrain.models import cnn
+from ringtrain.bench.common import (
+    batch_stream,
+    bench_config,
+    ranks_cpus_allowed,
+    reply,
+    serve,
+    settings_in_force,
+)
+from ringtrain.bench.pipeline_bench import (
+    BATCH,
+    BLOCKS,
+    CLASSES,
+    DIM,
+    LR,
+    PIPELINES,
+    SAMPLES,
+    SEED,
+    SHAPE,
+)
+from ringtrain.data import Dataset, load_synthetic
+from ringtrain.models import ModelSpec, transformer
+
+BASE = bench_config(
+    "transformer", BATCH, LR, SEED, strategy="pipeline", partition="time", progress="none"
+)
 
 
-def _single(spec, data, cfg, world, steps) -> float:
+def workload() -> tuple[Dataset, ModelSpec]:
+    data = load_synthetic(SAMPLES, SHAPE, CLASSES, SEED)
+    return data, transformer(data.input_shape, data.n_classes, dim=DIM, blocks=BLOCKS)
+
+
+def held_bytes(spec: ModelSpec, bounds: list[tuple[int, int]], mb_size: int, recompute: bool):
+    """Bytes the executor keeps per microbatch in flight, per stage: its input and, with a
+    saved tape, each element's output (a layer's own intermediates are not counted)."""
+    shapes = spec.shapes()
+    per_sample = [4 * int(np.prod(s)) for s in shapes]
+    return [
+        mb_size * (per_sample[first] + (0 if recompute else sum(per_sample[first + 1 : last + 1])))
+        for first, last in bounds
+    ]
+
+
+class Contender:
+    """One pipeline schedule's engine, calibrated once: the prediction it is measured against."""
+
+    def __init__(self, name: str, data: Dataset, spec: ModelSpec, world: runtime.World):
+        from ringtrain.pipeline.calibrate import CALIBRATION_STEPS, stage_seconds
+        from ringtrain.pipeline.costs import predict
+        from ringtrain.pipeline.engine import PipelineEngine
+
+        kind, micro, virtual = PIPELINES[name]
+        cfg = replace(BASE, schedule=kind, microbatches=micro, virtual_stages=virtual)
+        self.engine, self.world, self.cfg = PipelineEngine(spec, data, cfg, world), world, cfg
+        self.engine.calibrate_link()
+        self.batches = batch_stream(len(data.x), 1 + CALIBRATION_STEPS, BATCH, SEED)
+        for batch in self.batches:  # step 0 traces the graphs; the rest calibrate
+            self.engine.step(batch)
+        rows = self.engine.trace.gather(world.comm)
+        self.report: dict = {}
+        if rows is None:
+            return
+        e = self.engine
+        seconds = stage_seconds(rows, range(1, 1 + CALIBRATION_STEPS))
+        predicted = predict(e.schedule, seconds, e.link_model, e.boundary_bytes)
+        per_mb = held_bytes(spec, e.bounds, e.mb_size, cfg.recompute)
+        peaks = e.predicted.peak_inflight
+        self.report = {
+            "schedule": kind,
+            "microbatches": micro,
+            "virtual_stages": virtual,
+            "partition": [list(b) for b in e.bounds],
+            "peak_inflight": peaks,
+            "activation_bytes_per_microbatch": per_mb,
+            "activation_bytes_peak": [p * b for p, b in zip(peaks, per_mb, strict=True)],
+            "boundary_bytes_per_microbatch": e.boundary_bytes,
+            "bubble_predicted": predicted.bubble,
+            "step_time_predicted": predicted.makespan,
+            "calibration": {
+                "seconds": {f"{s}{op}": v for (s, op), v in seconds.items()},
+                "link": e.link_model.to_json(),
+            },
+        }
+
+    def run(self, steps: int) -> dict | None:
+        from ringtrain.pipeline.trace import measured_bubble, measured_step_seconds
+
+        since = self.engine.step_index
+        stream = batch_stream(len(self.engine.data.x), steps, BATCH, SEED + since)
+        start = time.perf_counter()
+        for batch in stream:
+            self.engine.step(batch)
+        seconds = time.perf_counter() - start
+        rows = self.engine.trace.gather(self.world.comm, since=since)
+        if rows is None:
+            return None
+        return {
+            "seconds": seconds,
+            "bubble_measured": measured_bubble(rows, 2, skip_first=False),
+            "step_time_measured": measured_step_seconds(rows, skip_first=False),
+            **self.report,
+        }
+
+
+def ranks(names: list[str]) -> None:
+    world = runtime.start(with_horovod=False)
+    data, spec = workload()
+    contenders = {name: Contender(name, data, spec, world) for name in names}
+    cpus = ranks_cpus_allowed(world.comm)
+    if world.rank == 0:
+        reply({"ready": True, "cpus_allowed_list": cpus, "environment": settings_in_force()})
+    serve(world.comm, names, lambda name, steps: contenders[name].run(steps))
+
+
+def single(name: str) -> None:
     from ringtrain.dataparallel.engine import DataParallelEngine
 
-    alone = runtime.World(0, 1, 0, 1, _comm_self(), None)
-    engine = DataParallelEngine(spec, data, replace(cfg, strategy="single", microbatches=1), alone)
-    batches = epoch_batches(len(data.x), cfg.batch_size, cfg.seed, 0)
-    engine.step(batches[0])  # trace the tf.function outside the timing
-    start = time.perf_counter()
-    for i in range(steps):
-        engine.step(batches[(i + 1) % len(batches)])
-    return cfg.batch_size * steps / (time.perf_counter() - start)
-
-
-def _comm_self():
-    from mpi4py import MPI
-
-    return MPI.COMM_SELF
-
-
-def _pipeline(spec, data, cfg, world, steps) -> dict:
-    from ringtrain.pipeline.engine import PipelineEngine
-    from ringtrain.pipeline.simulate import simulate
-    from ringtrain.pipeline.trace import OPS, measured_bubble
-
-    engine = PipelineEngine(spec, data, cfg, world)
-    batches = epoch_batches(len(data.x), cfg.batch_size, cfg.seed, 0)
-    engine.step(batches[0])
-    start = time.perf_counter()
-    for i in range(steps):
-        engine.step(batches[(i + 1) % len(batches)])
-    seconds = time.perf_counter() - start
-    rows = engine.trace.gather(world.comm)
-    if rows is None:
-        return {}
-    rows = rows[rows[:, 0] >= 1]  # the first step traced the functions
-    mean = {}
-    for stage in range(2):
-        for op in ("F", "B"):
-            sel = rows[(rows[:, 5] == stage) & (rows[:, 1] == OPS.index(op))]
-            mean[stage, op] = float(np.mean(sel[:, 4] - sel[:, 3]))
-    predicted = simulate(engine.schedule, lambda a: mean[a.stage, a.op] if a.is_compute else 0.0)
-    act_bytes = [int(np.prod(engine.act_in.shape[1:])) * 4]  # stage 0 output = stage 1 input
-    return {
-        "samples_per_sec": cfg.batch_size * steps / seconds,
-        "bubble_measured": measured_bubble(rows, 2, skip_first=False),
-        "bubble_predicted": predicted.bubble,
-        "bubble_predicted_unit": engine.predicted.bubble,
-        "peak_inflight": engine.predicted.peak_inflight,
-        "boundary_bytes_per_microbatch": act_bytes,
-        "mean_f_b_seconds": {f"{s}{op}": v for (s, op), v in mean.items()},
-    }
-
-
-def main(out_path: str, rounds: int, steps: int, microbatches: list[int]) -> None:
     world = runtime.start(with_horovod=False)
-    data = load_synthetic(1024, (32, 32, 3), 10, seed=0)
-    spec = cnn(data.input_shape, data.n_classes)
-    base = TrainConfig(
-        strategy="pipeline",
-        model="cnn",
-        dataset="synthetic",
-        batch_size=64,
-        optimizer="sgd",
-        lr=0.01,
-        seed=0,
-        comm_timeout=300,
+    data, spec = workload()
+    engine = DataParallelEngine(spec, data, replace(BASE, strategy="single"), world)
+    engine.step(batch_stream(len(data.x), 1, BATCH, SEED)[0])  # trace outside the timing
+
+    def run(_name: str, steps: int) -> dict:
+        stream = batch_stream(len(data.x), steps, BATCH, SEED + 1)
+        start = time.perf_counter()
+        for batch in stream:
+            engine.step(batch)
+        return {"seconds": time.perf_counter() - start}
+
+    reply(
+        {
+            "ready": True,
+            "cpus_allowed_list": ranks_cpus_allowed(world.comm),
+            "threads": runtime.default_threads(1),
+            "environment": settings_in_force(),
+        }
     )
-    results: list[dict] = []
-    for round_index in range(rounds):
-        if world.rank == 0:
-            rate = _single(spec, data, base, world, steps)
-            results.append({"round": round_index, "contender": "single", "samples_per_sec": rate})
-        idle_barrier(world.comm)
-        for m in microbatches:
-            for kind in ("gpipe", "1f1b"):
-                cfg = replace(base, schedule=kind, microbatches=m)
-                measured = _pipeline(spec, data, cfg, world, steps)
-                if world.rank == 0:
-                    results.append(
-                        {
-                            "round": round_index,
-                            "contender": f"{kind} M={m}",
-                            "schedule": kind,
-                            "microbatches": m,
-                            **measured,
-                        }
-                    )
-    if world.rank == 0:
-        with open(out_path, "w") as out:
-            json.dump(
-                {
-                    "raw": results,
-                    "rounds": rounds,
-                    "steps_per_measurement": steps,
-                    "model": "cnn",
-                    "input": [32, 32, 3],
-                    "global_batch": 64,
-                },
-                out,
-            )
+    serve(world.comm, [name], run)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), [int(m) for m in sys.argv[4].split(",")])
+    if sys.argv[1] == "ranks":
+        ranks(sys.argv[2].split(","))
+    else:
+        single(sys.argv[2])

@@ -26,6 +26,7 @@ import numpy as np
 from ringtrain import runtime
 from ringtrain.bench.common import (
     batch_stream,
+    bench_config,
     horovod_running,
     ranks_cpus_allowed,
     reply,
@@ -108,16 +109,7 @@ def _runners(kind: str, world: runtime.World) -> dict[str, tuple[Runner | None, 
     from ringtrain.pipeline.engine import PipelineEngine
 
     data, spec = workload()
-    cfg = TrainConfig(
-        strategy="single",
-        model="cnn",
-        dataset="synthetic",
-        batch_size=BATCH,
-        optimizer="sgd",
-        lr=LR,
-        seed=SEED,
-        comm_timeout=300,
-    )
+    cfg = bench_config("cnn", BATCH, LR, SEED)
     if kind == "all-cores":
         everything = engine_runner(DataParallelEngine(spec, data, cfg, world), data)
         return {ALL_CORES: (everything, False)}

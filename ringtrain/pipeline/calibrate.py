@@ -1,8 +1,9 @@
 """Calibration inside the run: the simulator's figures, measured where the job runs.
 
-A prediction needs the seconds of each stage's F, B, BI and BW, and a message's time by its
-bytes. The computations are read from the executor's own trace, over the first steps after
-the one that traced the graphs (CALIBRATION_STEPS); messages are timed by a ping-pong between
+A prediction needs the seconds of each stage's F, B, BI and BW (and of the host's work around
+each message, REDUCE and STEP), and a message's time by its bytes. The actions' times are read
+from the executor's own trace, over the first steps after the one that traced the graphs
+(CALIBRATION_STEPS); messages are timed by a ping-pong between
 the first two pipeline ranks, through the same Link the executor sends with, at a tiny size and
 at the boundary's size, and fitted to latency + bytes / rate (costs.LinkModel). The prediction
 is then compared with the steps that follow, which the calibration did not see.
@@ -17,20 +18,27 @@ from statistics import median
 import numpy as np
 
 from ringtrain.pipeline.costs import FREE_LINK, LinkModel
-from ringtrain.pipeline.trace import END, OP, OPS, STAGE, START, STEP, computations
+from ringtrain.pipeline.ir import CODES
+from ringtrain.pipeline.trace import END, OP, OPS, STAGE, START, STEP
 
+OP_NAMES = {code: op for op, code in CODES.items()}  # the trace's codes, the IR's op names
 CALIBRATION_STEPS = 3  # after the first, which traces the graphs
 ROUND_TRIPS = 5
 
 
 def stage_seconds(rows: np.ndarray, steps: Collection[int]) -> dict[tuple[int, str], float]:
-    """Median seconds of each (stage, computation) over the given steps of a gathered trace."""
-    chosen = computations(rows[np.isin(rows[:, STEP], list(steps))])
+    """Seconds of each (stage, op) over the given steps of a gathered trace: the median of
+    every action, except a receive's, whose least is its host work (its waits are what the
+    simulator works out)."""
+    chosen = rows[np.isin(rows[:, STEP], list(steps)) & (rows[:, STAGE] >= 0)]
     durations: dict[tuple[int, str], list[float]] = {}
     for row in chosen:
-        key = (int(row[STAGE]), OPS[int(row[OP])])
-        durations.setdefault(key, []).append(float(row[END] - row[START]))
-    return {key: median(values) for key, values in durations.items()}
+        op = OP_NAMES[OPS[int(row[OP])]]
+        durations.setdefault((int(row[STAGE]), op), []).append(float(row[END] - row[START]))
+    return {
+        key: (min if key[1].startswith("RECV") else median)(values)
+        for key, values in durations.items()
+    }
 
 
 def ping_pong(link, position: int, sizes: Collection[int], tag: int) -> LinkModel:

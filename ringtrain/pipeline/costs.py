@@ -53,11 +53,11 @@ FREE_LINK = LinkModel(0.0, float("inf"))
 
 
 def measured_cost(seconds: Mapping[tuple[int, str], float]) -> Cost:
-    """A cost function from seconds per (stage, computation); REDUCE, STEP and messages cost
-    nothing here (messages are the link's, see `predict`)."""
+    """A cost function from seconds per (stage, op): computations, and the host's own work
+    around a message, REDUCE and STEP where they were measured (what was not costs nothing)."""
 
     def cost(a: Action) -> float:
-        return seconds.get((a.stage, a.op), 0.0) if a.is_compute else 0.0
+        return seconds.get((a.stage, a.op), 0.0)
 
     return cost
 

@@ -69,6 +69,7 @@ class Stage:
         # Graphs, not eager ops: per-op Python overhead would dwarf a microbatch's compute.
         self.output = tf.function(self._output)
         self.recompute = tf.function(self._recompute)
+        self.add = tf.function(_add)
 
     def _output(self, x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
         """The activation sent downstream or, on the last stage, its share of the loss."""
@@ -86,6 +87,12 @@ class Stage:
             tape.watch(x)
             out = self._output(x, y)
         return tape.gradient(out, self.sources(x, weights, inputs), output_gradients=upstream)
+
+
+def _add(total: list, grads: list) -> list:
+    """A microbatch's gradients added to the sums in one graph call: eager adds cost Python
+    per tensor, as much as a small stage's whole backward."""
+    return [a + g for a, g in zip(total, grads, strict=True)]
 
 
 @dataclass
@@ -217,11 +224,15 @@ class PipelineEngine(Checkpointable):
         }
         self.trace, self.step_index, self.peak_inflight = Trace(), 0, 0
         self.epoch_start = 0  # step_index where the epoch epoch_scalars() will report began
-        # The link's figures for the prediction the metrics and the Gantt chart report.
-        wanted = cfg.metrics_out or cfg.gantt
+        self.link_model = FREE_LINK
+        if cfg.metrics_out or cfg.gantt:  # they report a prediction, which needs the link's
+            self.calibrate_link()
+
+    def calibrate_link(self) -> None:
+        """Time messages between the first two pipeline ranks (collective in the pipeline)."""
         sizes = (8, max(self.boundary_bytes, default=8))
-        tag = message_tag(self.stage_count, cfg.microbatches, self.stage_count)  # above all
-        self.link_model = ping_pong(self.link, self.position, sizes, tag) if wanted else FREE_LINK
+        tag = message_tag(self.stage_count, self.cfg.microbatches, self.stage_count)  # above all
+        self.link_model = ping_pong(self.link, self.position, sizes, tag)
 
     def _who(self, rank: int) -> str:
         """How errors name a peer: its stages, and its rank for finding the process."""
@@ -425,7 +436,7 @@ class PipelineEngine(Checkpointable):
 
     def _accumulate(self, stage: int, grads: list) -> None:
         held = self.stages[stage]
-        held.grads = [a + g for a, g in zip(held.grads, grads, strict=True)]
+        held.grads = held.add(held.grads, grads)
 
     def _hand_on(self, a: Action, value: tf.Tensor | None) -> None:
         """What a computation made for a neighbouring stage: kept for a send, or, when that

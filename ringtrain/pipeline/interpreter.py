@@ -4,7 +4,8 @@ Time jumps from event to event. At each instant messages move first (a send or r
 can complete does), then every idle rank whose next action is not a message starts it and is
 busy for `cost(action)`. With `blocking` sends a SEND and its RECV complete together, as a
 rendezvous (MPI Ssend); otherwise a SEND never waits (MPI Isend) and its tensor reaches the
-receiver `transfer(send)` later.
+receiver `transfer(send)` later. There a message's own `cost` is the host's work around it
+(posting, copying out), before the bytes leave and after they arrive.
 
 A *witness* run walks compute orders that have no messages yet: when a rank's next compute
 lacks a tensor that another rank has already made, and that rank is between actions, the pair
@@ -136,12 +137,12 @@ class _Loop:
         if kind == _RECV:
             if self.blocking or tensor not in self.arrives:
                 return False  # a blocking receive completes from its sender's side
-            self._record(r, a, max(self.t, self.arrives.pop(tensor)))
+            self._record(r, a, max(self.t, self.arrives.pop(tensor)) + self.cost(a))
             self.pc[r] += 1
             return True
-        if not self.blocking:
-            self.arrives[tensor] = self.t + self.transfer(a)
-            self._record(r, a, self.t)
+        if not self.blocking:  # the sender's own work, then the bytes on the wire
+            self.arrives[tensor] = self.t + self.cost(a) + self.transfer(a)
+            self._record(r, a, self.t + self.cost(a))
             self.pc[r] += 1
             return True
         if not (self._left(peer) and self._free(peer)) or self.lists[peer][self.pc[peer]] != recv:

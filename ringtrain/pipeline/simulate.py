@@ -3,9 +3,11 @@
 Unit costs, the textbook model: each rank's share of the model costs F = B = 1, so a rank
 holding V stages spends 1/V on each stage's F or B; a split backward costs BI = BW = B/2;
 messages, REDUCE and STEP are free. Under them GPipe's and 1F1B's bubble is (P-1)/(M+P-1).
-Measured figures replace them: `cost` gives seconds per action, `message_time` seconds for a
-message of n bytes, `boundary_bytes[s]` the bytes of stage s's output (its gradient is as big).
-Sends are buffered like MPI Isend: the sender never waits, the receiver waits for arrival.
+Measured figures replace them: `cost` gives seconds per action (a message's is the host's work
+around it), `message_time` seconds for a message of n bytes, `boundary_bytes[s]` the bytes of
+stage s's output (its gradient is as big). Sends are buffered like MPI Isend: the sender never
+waits, the receiver waits for arrival. The bubble is over the span of the computations, as the
+executor's trace measures it; the makespan holds every action.
 
 Activation memory: a microbatch's activations on a stage count as held from its F until its B
 ends or, split, until its BW ends. The weight-gradient half still reads the stage's input and
@@ -36,7 +38,7 @@ def unit_cost(stage_ranks: Sequence[int]) -> Cost:
 @dataclass
 class SimResult:
     makespan: float
-    bubble: float  # idle fraction of all rank-time: 1 - sum(busy) / (ranks * makespan)
+    bubble: float  # idle fraction: 1 - sum(busy) / (ranks * span of the computations)
     busy: list[float]  # computing time per rank (F, B, BI, BW)
     peak_inflight: list[int]  # per stage: most microbatches between F and B (or BW) at once
     timeline: list[list[tuple[str, float, float]]]  # per rank (action, start, end), computations
@@ -70,7 +72,9 @@ def simulate(
     ]
     busy = [sum(end - start for _, start, end in row) for row in timeline]
     makespan = max((end for times in run.times for _, end in times), default=0.0)
-    bubble = 1.0 - sum(busy) / (schedule.ranks * makespan) if makespan > 0 else 0.0
+    boxes = [box for row in timeline for box in row]
+    span = max((b[2] for b in boxes), default=0.0) - min((b[1] for b in boxes), default=0.0)
+    bubble = 1.0 - sum(busy) / (schedule.ranks * span) if span > 0 else 0.0
     return SimResult(makespan, bubble, busy, _peak_inflight(schedule), timeline)
 
 

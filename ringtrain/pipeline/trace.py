@@ -70,11 +70,11 @@ def measured_bubble(rows: np.ndarray, stages: int, skip_first: bool = True) -> f
 
 
 def measured_step_seconds(rows: np.ndarray, skip_first: bool = True) -> float:
-    """Median over steps of the wall time from the first computation to the last."""
+    """Median over steps of the wall time from the step's first action to its last."""
     spans = []
     for step in _steps(rows, skip_first):
-        compute = computations(rows[rows[:, STEP] == step])
-        spans.append(compute[:, END].max() - compute[:, START].min())
+        at_step = rows[rows[:, STEP] == step]
+        spans.append(at_step[:, END].max() - at_step[:, START].min())
     return float(median(spans))
 
 
