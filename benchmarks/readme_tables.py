@@ -63,6 +63,32 @@ def pipeline_table(report: dict) -> str:
     return "\n".join([intro, "", *lines, "", f"Targets: {met}.", "", picture])
 
 
+def simulated_stages_table() -> str:
+    """What more stages would add, which 2 cores cannot measure: the simulator at unit costs."""
+    from ringtrain.pipeline.schedule import build_schedule
+    from ringtrain.pipeline.simulate import simulate
+
+    kinds = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]
+    cells = [(p, m) for p in (2, 4, 8) for m in (8, 32)]
+    lines = [
+        "| schedule | " + " | ".join(f"P={p} M={m}" for p, m in cells) + " |",
+        "|---|" + "---|" * len(cells),
+    ]
+    for kind, virtual in kinds:
+        row = []
+        for p, m in cells:
+            result = simulate(build_schedule(kind, p, m, virtual))
+            row.append(f"{result.bubble:.3f} (peak {result.peak_inflight[0]})")
+        label = f"{kind} V={virtual}" if virtual > 1 else kind
+        lines.append(f"| {label} | " + " | ".join(row) + " |")
+    intro = (
+        "**Simulated, not measured**: the bubble of each schedule at more stages, from "
+        "`ringtrain schedule` at unit costs (F = B = 1 per rank's share, BI = BW = B/2, free "
+        "messages), with stage 0's peak microbatches in flight (its activation memory)."
+    )
+    return "\n".join([intro, "", *lines])
+
+
 def _tuned(chosen: dict | None) -> str:
     if chosen is None:
         return "none (every candidate failed)"
@@ -228,6 +254,7 @@ def main() -> None:
         path = ROOT / "benchmarks" / "results" / f"{name}.json"
         if path.exists():
             sections.append(table(json.loads(path.read_text())))
+    sections.append(simulated_stages_table())
     body = "\n\n".join(sections) or "(no results yet: run `ringtrain bench ...` first)"
     head, rest = text.split(BEGIN)
     _, tail = rest.split(END)
