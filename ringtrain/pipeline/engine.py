@@ -69,7 +69,6 @@ class Stage:
         # Graphs, not eager ops: per-op Python overhead would dwarf a microbatch's compute.
         self.output = tf.function(self._output)
         self.recompute = tf.function(self._recompute)
-        self.add = tf.function(_add)
 
     def _output(self, x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
         """The activation sent downstream or, on the last stage, its share of the loss."""
@@ -87,12 +86,6 @@ class Stage:
             tape.watch(x)
             out = self._output(x, y)
         return tape.gradient(out, self.sources(x, weights, inputs), output_gradients=upstream)
-
-
-def _add(total: list, grads: list) -> list:
-    """A microbatch's gradients added to the sums in one graph call: eager adds cost Python
-    per tensor, as much as a small stage's whole backward."""
-    return [a + g for a, g in zip(total, grads, strict=True)]
 
 
 @dataclass
@@ -436,7 +429,7 @@ class PipelineEngine(Checkpointable):
 
     def _accumulate(self, stage: int, grads: list) -> None:
         held = self.stages[stage]
-        held.grads = held.add(held.grads, grads)
+        held.grads = [a + g for a, g in zip(held.grads, grads, strict=True)]
 
     def _hand_on(self, a: Action, value: tf.Tensor | None) -> None:
         """What a computation made for a neighbouring stage: kept for a send, or, when that
