@@ -139,10 +139,15 @@ def stored_partition(root: str, stages: int, elements: int) -> list[tuple[int, i
     ends = [end for _, end in bounds]
     if len(bounds) != stages or ends[-1] != elements:
         raise UserError(
-            f"checkpoint {manifest['folder']} splits {ends[-1]} model elements into "
-            f"{len(bounds)} stages, but this run has {elements} elements in {stages} stages"
+            f"checkpoint {manifest['folder']} splits {_count(ends[-1], 'model element')} into "
+            f"{_count(len(bounds), 'stage')}, but this run has {_count(elements, 'element')} in "
+            f"{_count(stages, 'stage')}"
         )
     return [(int(start), int(end)) for start, end in bounds]
+
+
+def _count(n: int, thing: str) -> str:
+    return f"{n} {thing}{'' if n == 1 else 's'}"
 
 
 def read_part(manifest: dict, part: str) -> dict[str, np.ndarray]:

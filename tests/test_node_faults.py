@@ -452,7 +452,9 @@ def test_requeued_jobs_resume_on_the_nodes_left_and_a_pipeline_is_refused(
         assert_resumed_exactly(data, uninterrupted)
         assert_resumed_exactly(hybrid, uninterrupted)
         errors = [line for line in pipeline.text().splitlines() if "error:" in line]
-        assert any("stages is 2 there and 1 here" in line for line in errors), pipeline.text()
+        assert any(
+            "into 2 stages, but this run has 4 elements in 1 stage" in line for line in errors
+        ), pipeline.text()
         assert "Traceback" not in pipeline.text()
         assert folder_digest(pipeline.ckpt) == before
     finally:

@@ -183,6 +183,7 @@ class PipelineEngine(Checkpointable):
 
         self.mb_size = cfg.batch_size // self.replicas // cfg.microbatches
         self.shapes = spec.shapes()
+        self.element_seconds: list[dict[str, float]] = []  # rank 0, time partition: per element
         self.bounds = self._partition(spec)
         self.stages = {
             s: Stage(
@@ -193,6 +194,7 @@ class PipelineEngine(Checkpointable):
         self.variables = [v for stage in self.stages.values() for v in stage.variables]
         self.optimizer = make_optimizer(cfg)
         self.optimizer.build(self.variables)
+        self._apply = tf.function(self._apply_gradients)
 
         self.actions = self.schedule.actions[self.position]
         self.predicted = simulate(self.schedule)
@@ -273,7 +275,8 @@ class PipelineEngine(Checkpointable):
 
     def _element_costs(self, spec: ModelSpec, method: str) -> list[float]:
         """Parameter counts, or forward+backward seconds measured on rank 0 and broadcast so
-        every rank splits identically. Elements are built one at a time and dropped."""
+        every rank splits identically. Elements are built one at a time and dropped. Rank 0
+        keeps each element's F, B, BI and BW for the metrics' calibration."""
         costs = np.zeros(len(spec), np.float64)
         if method == "params" or self.world.rank == 0:
             for i in range(len(spec)):
@@ -281,7 +284,9 @@ class PipelineEngine(Checkpointable):
                 if method == "params":
                     costs[i] = sum(int(np.prod(v.shape)) for v in element.trainable_weights)
                 else:
-                    costs[i] = _time_element(element, (self.mb_size, *self.shapes[i]))
+                    seconds = _time_element(element, (self.mb_size, *self.shapes[i]))
+                    self.element_seconds.append(seconds)
+                    costs[i] = seconds["F"] + seconds["B"]
         if method == "time":
             self.world.comm.Bcast(costs, root=0)
         return costs.tolist()
@@ -322,6 +327,11 @@ class PipelineEngine(Checkpointable):
         if self.stepped < len(self.stages):
             return
         grads = self._clip([g for stage in self.stages.values() for g in stage.grads])
+        self._apply(grads)
+
+    def _apply_gradients(self, grads: list) -> None:
+        """Compiled: applied eagerly, Adam's per-variable ops cost 0.2 s a step on the
+        transformer, several times its stage's compute."""
         self.optimizer.apply_gradients(zip(grads, self.variables, strict=True))
 
     def _average_over_replicas(self, grads: list) -> list:
@@ -568,21 +578,32 @@ class PipelineEngine(Checkpointable):
                 "seconds": {f"{s}{op}": v for (s, op), v in seconds.items()},
                 "link": self.link_model.to_json(),
                 "boundary_bytes": self.boundary_bytes,
+                "elements": self.element_seconds,
             },
             "peak_inflight": peaks.tolist(),
             "replica_checksums": checksums,
         }
 
 
-def _time_element(element, input_shape: tuple[int, ...], repeats: int = 3) -> float:
-    """Median seconds of one forward+backward of an element on a microbatch-sized input."""
+def _time_element(element, input_shape: tuple[int, ...], repeats: int = 3) -> dict[str, float]:
+    """Median seconds of an element's F, B, BI and BW on a microbatch-sized input, run the way
+    the executor runs a stage: a compiled forward under an eager tape, gradients from the tape
+    (B: weights and input; BI: the input only; BW: the weights only)."""
     x = tf.random.normal(input_shape)
-    timings = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            out = element(x)
-        tape.gradient(out, element.trainable_weights + [x])
-        timings.append(time.perf_counter() - start)
-    return float(np.median(timings[1:]))
+    call = tf.function(element.__call__)
+    weights = list(element.trainable_weights)
+    wanted = {"B": [*weights, x], "BI": [x], "BW": weights}
+    timings: dict[str, list[float]] = {op: [] for op in ("F", *wanted)}
+    for round_index in range(repeats + 1):  # the first round traces
+        for op, sources in wanted.items():
+            start = time.perf_counter()
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                out = call(x)
+            middle = time.perf_counter()
+            if sources:
+                tape.gradient(out, sources)
+            if round_index:
+                timings["F"].append(middle - start)
+                timings[op].append(time.perf_counter() - middle)
+    return {op: float(np.median(values)) for op, values in timings.items()}
