@@ -160,6 +160,16 @@ def pipeline_schedules(world_size: int) -> list[TrainConfig]:
             hybrid("cnn", "sgd", pp_size=4, schedule="gpipe", microbatches=5),
             hybrid("mlp", "adam", pp_size=1),
             hybrid("cnn", "sgd", pp_size=1),
+            hybrid(
+                "transformer",
+                "adam",
+                pp_size=2,
+                schedule="interleaved",
+                virtual_stages=2,
+                microbatches=4,
+                batch_size=48,
+            ),
+            hybrid("mlp", "sgd", pp_size=2, schedule="zb-h1", microbatches=3),
         ],
     }[world_size]
 
@@ -173,6 +183,9 @@ def resume_grid(world_size: int) -> list[TrainConfig]:
             case("data", "mlp", "sgd"),
             case("data", "transformer", "adam"),
             case("pipeline", "cnn", "adam", microbatches=3, partition="uniform"),
+            case(
+                "pipeline", "mlp", "adam", schedule="interleaved", virtual_stages=2, microbatches=2
+            ),
         ],
         3: [
             case(

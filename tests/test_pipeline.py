@@ -105,6 +105,7 @@ def test_pipeline_resume_is_bit_for_bit_and_keeps_the_checkpoints_partition(grid
     assert_exact_resume(checks)
     assert {(c["config"]["model"], c["config"]["schedule"]) for c in checks} == {
         ("cnn", "1f1b"),
+        ("mlp", "interleaved"),  # a checkpoint part per rank of two stages each
         ("transformer", "zb-h1"),
     }
     for c in checks:  # resumed under the default (time) partition, it kept the stored one

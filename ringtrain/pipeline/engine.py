@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -55,7 +55,7 @@ from ringtrain.weights import replica_checksums
 
 LOSS, WEIGHTS = 0, 1  # tags on the world communicator; pipeline tags are config.message_tag's
 KINDS = {"ACT": 0, "GRAD": 1}
-POST_AHEAD_BYTES = 64 * 2**20  # a step's receives up to this size are all posted at its start
+SLOTS = 2  # receive buffers per kind and sending stage: one being waited on, one posted ahead
 
 
 class Stage:
@@ -97,16 +97,18 @@ class Held:
     out: tf.Tensor
     tape: tf.GradientTape | None  # None under --recompute
     upstream: tf.Tensor | None = None  # split backward: the output gradient BI received
-    weight_grads: list | None = field(default=None)  # split backward: ready for BW to add
+    weight_grads: list | None = None  # split backward: ready for BW to add
 
 
 class Inbox:
     """This rank's receives of one step, each posted into a preallocated buffer ahead of need.
 
     Receives of one kind from one stage form a queue in the order the list takes them, with a
-    ring of slots: all of the step's receives are posted at its start when their buffers fit
-    POST_AHEAD_BYTES, else two per queue, the next posted as soon as one is taken. Taking
-    copies the data out, so a slot is free again at once.
+    ring of SLOTS buffers: the first SLOTS are posted at the step's start, and each later one
+    as soon as the one SLOTS before it is taken, so it is posted before the list reaches it
+    (earlier than a blocking receive, so no schedule that runs with those can wait longer).
+    Taking copies the data out, so a slot is free again at once. Memory stays two messages
+    per neighbour and kind, whatever M is.
     """
 
     def __init__(self, link: Link, receives: list[Tensor], shape, peer, tag):
@@ -117,15 +119,13 @@ class Inbox:
         self.position = {t: i for queue in self.queues.values() for i, t in enumerate(queue)}
         self.step_bytes = sum(4 * int(np.prod(shape(t))) for t in receives)
         self.slots = {
-            key: np.zeros(
-                (min(len(q), len(q) if self.step_bytes <= POST_AHEAD_BYTES else 2), *shape(q[0])),
-                np.float32,
-            )
+            key: np.zeros((len(q[:SLOTS]), *shape(q[0])), np.float32)
             for key, q in self.queues.items()
         }
         self.posted: dict[Tensor, PostedReceive] = {}
 
     def post_step(self) -> None:
+        """At a step's start: the first receives of every queue, as many as it has slots."""
         for key, slots in self.slots.items():
             for i in range(len(slots)):
                 self._post(self.queues[key][i])
@@ -138,12 +138,10 @@ class Inbox:
     def take(self, t: Tensor) -> tf.Tensor:
         """Wait for `t` (the comm deadline starts now), copy it out, post the queue's next."""
         value = tf.constant(np.copy(self.link.complete(self.posted.pop(t))))
-        queue, after = (
-            self.queues[(t.kind, t.stage)],
-            self.position[t] + len(self.slots[(t.kind, t.stage)]),
-        )
-        if after < len(queue):
-            self._post(queue[after])
+        key = (t.kind, t.stage)
+        after = self.position[t] + len(self.slots[key])
+        if after < len(self.queues[key]):
+            self._post(self.queues[key][after])
         return value
 
 
