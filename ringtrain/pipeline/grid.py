@@ -1,4 +1,8 @@
-"""The 2-D rank grid of hybrid parallelism: D pipeline replicas of P stages each.
+"""The 2-D rank grid of hybrid parallelism: D pipeline replicas of P ranks each.
+
+`stages` here counts a pipeline's ranks: rank p of each pipeline holds stage p, or under
+interleaving the V stages p, p + P, ... (the schedule's stage_ranks), and the replicas of a
+position average gradients together whichever stages it holds.
 
 Consecutive ranks form one pipeline, so with ranks packed by node the chatty point-to-point
 traffic stays inside a node and only the once-per-step gradient allreduce crosses nodes.
