@@ -236,15 +236,19 @@ def _validate_pipeline(cfg: TrainConfig, ranks: int, n_elements: int | None) -> 
     the model's elements and the MPI tags its messages need."""
     if cfg.virtual_stages < 1:
         raise UserError(f"--virtual-stages must be at least 1, got {cfg.virtual_stages}")
+    if cfg.strategy not in ("model", "pipeline", "hybrid"):
+        for flag, given in (
+            ("--recompute", cfg.recompute),
+            ("--virtual-stages", cfg.virtual_stages > 1),
+        ):
+            if given:
+                raise UserError(f"{flag} is for pipeline stages, not --strategy {cfg.strategy}")
+        return
     if cfg.virtual_stages > 1 and cfg.schedule != "interleaved":
         raise UserError(
             f"--virtual-stages {cfg.virtual_stages} needs --schedule interleaved, "
             f"not {cfg.schedule}"
         )
-    if cfg.recompute and cfg.strategy not in ("model", "pipeline", "hybrid"):
-        raise UserError(f"--recompute is for pipeline stages, not --strategy {cfg.strategy}")
-    if cfg.strategy not in ("model", "pipeline", "hybrid"):
-        return
     if cfg.schedule == "interleaved" and cfg.microbatches % ranks:
         raise UserError(
             f"--schedule interleaved needs --microbatches ({cfg.microbatches}) to be a "

@@ -89,6 +89,10 @@ BAD_TRAIN_FLAGS = [
     ),
     (["--strategy", "pipeline", "--schedule", "/nonexistent.json"], "cannot read the schedule"),
     (["--recompute"], "--recompute is for pipeline stages, not --strategy data"),
+    (
+        ["--schedule", "interleaved", "--virtual-stages", "2"],
+        "--virtual-stages is for pipeline stages, not --strategy data",
+    ),
     (["--strategy", "hybrid"], "needs --pp-size"),
     (["--loop", "fit", "--accumulate", "2"], "--accumulate needs --loop custom"),
     (["--synthetic-shape", "3x3"], "--synthetic-shape"),
