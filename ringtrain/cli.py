@@ -120,7 +120,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "--microbatches",
         type=_whole_number,
         default=None,
-        help="microbatches per replica batch (pipeline default 4)",
+        help="microbatches per replica batch (pipeline default 4, or a schedule file's)",
     )
     p.add_argument(
         "--partition",
@@ -196,7 +196,6 @@ def config_from_args(args: argparse.Namespace):
         shape = tuple(int(d) for d in args.synthetic_shape.split(","))
     except ValueError:
         raise UserError(f"--synthetic-shape {args.synthetic_shape!r} is not like 32,32,3") from None
-    pipelined = args.strategy in ("pipeline", "hybrid")
     return TrainConfig(
         strategy=args.strategy,
         model=args.model,
@@ -215,7 +214,7 @@ def config_from_args(args: argparse.Namespace):
         warmup_epochs=args.warmup_epochs,
         clip_norm=args.clip_norm,
         schedule=args.schedule,
-        microbatches=(4 if pipelined else 1) if args.microbatches is None else args.microbatches,
+        microbatches=_microbatches(args),
         virtual_stages=args.virtual_stages,
         recompute=args.recompute,
         partition=args.partition,
@@ -238,6 +237,21 @@ def config_from_args(args: argparse.Namespace):
         progress=args.progress,
         tensorboard=args.tensorboard,
     )
+
+
+def _microbatches(args: argparse.Namespace) -> int:
+    """--microbatches; else a schedule file's own count (it fixes M); else 4 for a pipeline."""
+    from ringtrain.config import is_schedule_file
+
+    if args.microbatches is not None:
+        return args.microbatches
+    if args.strategy not in ("pipeline", "hybrid"):
+        return 1
+    if is_schedule_file(args.schedule):
+        from ringtrain.pipeline.schedule import load_schedule_file
+
+        return load_schedule_file(args.schedule).microbatches
+    return 4
 
 
 def run_train(args: argparse.Namespace) -> int:

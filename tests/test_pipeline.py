@@ -167,22 +167,18 @@ def test_cli_runs_a_schedule_file_equal_to_1f1b_exactly(tmp_path, cli_reference)
 
 
 @pytest.mark.parametrize(
-    "change,needle",
+    "ranks,micro,swap,needle",
     [
-        ("swap", "rank 1 action 0 (1F0): runs before receiving its activation"),
-        ("ranks", "is for 3 pipeline ranks, but this run has 1"),
+        (2, 4, True, "rank 1 action 0 (1F0): runs before receiving its activation"),
+        (3, 4, False, "is for 3 pipeline ranks, but this run has 1"),
+        (1, 3, False, "batch 64 per replica is not divisible by --microbatches 3"),  # file's M
     ],
 )
-def test_cli_refuses_a_bad_schedule_file_in_one_line(tmp_path, change, needle):
-    if change == "swap":
-        doc = json.loads(
-            ringtrain("schedule", "--kind", "1f1b", "-P", "2", "-M", "4", "--json").stdout
-        )
+def test_cli_refuses_a_bad_schedule_file_in_one_line(tmp_path, ranks, micro, swap, needle):
+    printed = ringtrain("schedule", "--kind", "1f1b", "-P", str(ranks), "-M", str(micro), "--json")
+    doc = json.loads(printed.stdout)
+    if swap:  # rank 1 computes microbatch 0 before receiving its activation
         doc["actions"][1][:2] = doc["actions"][1][1::-1]
-    else:
-        doc = json.loads(
-            ringtrain("schedule", "--kind", "1f1b", "-P", "3", "-M", "4", "--json").stdout
-        )
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(doc))
     done = ringtrain("train", "--strategy", "pipeline", "--schedule", str(path))
