@@ -236,13 +236,15 @@ def _validate_pipeline(cfg: TrainConfig, ranks: int, n_elements: int | None) -> 
     the model's elements and the MPI tags its messages need."""
     if cfg.virtual_stages < 1:
         raise UserError(f"--virtual-stages must be at least 1, got {cfg.virtual_stages}")
-    if cfg.strategy not in ("model", "pipeline", "hybrid"):
+    plain = cfg.strategy == "hybrid" and cfg.pp_size == 1  # data parallelism: no stages
+    if cfg.strategy not in ("model", "pipeline", "hybrid") or plain:
+        strategy = "hybrid --pp-size 1" if plain else cfg.strategy
         for flag, given in (
             ("--recompute", cfg.recompute),
             ("--virtual-stages", cfg.virtual_stages > 1),
         ):
             if given:
-                raise UserError(f"{flag} is for pipeline stages, not --strategy {cfg.strategy}")
+                raise UserError(f"{flag} is for pipeline stages, not --strategy {strategy}")
         return
     if cfg.virtual_stages > 1 and cfg.schedule != "interleaved":
         raise UserError(

@@ -90,6 +90,10 @@ BAD_TRAIN_FLAGS = [
     (["--strategy", "pipeline", "--schedule", "/nonexistent.json"], "cannot read the schedule"),
     (["--recompute"], "--recompute is for pipeline stages, not --strategy data"),
     (
+        ["--strategy", "hybrid", "--pp-size", "1", "--recompute"],
+        "--recompute is for pipeline stages, not --strategy hybrid --pp-size 1",
+    ),
+    (
         ["--schedule", "interleaved", "--virtual-stages", "2"],
         "--virtual-stages is for pipeline stages, not --strategy data",
     ),

@@ -84,7 +84,7 @@ def test_last_stage_allreduce_starts_while_stage_0_still_runs_its_last_backward(
         mine = [e for e in events if e["args"]["step"] == step]
         allreduce = min(e["ts"] for e in mine if e["tid"] == 1 and e["name"] == "ALLREDUCE")
         backward_end = max(
-            e["ts"] + e["dur"] for e in mine if e["tid"] == 0 and e["name"].startswith("B")
+            e["ts"] + e["dur"] for e in mine if e["tid"] == 0 and e["name"].startswith("0B")
         )
         overlapping += allreduce < backward_end
     assert overlapping >= 3, overlapping
