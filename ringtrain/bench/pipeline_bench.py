@@ -34,7 +34,7 @@ from ringtrain.bench.common import (
     summarise_contenders,
 )
 
-BATCH, LR, SEED = 64, 0.01, 0
+BATCH, LR, SEED = 128, 0.01, 0  # global batch 128: microbatches of 16 at M = 8
 SAMPLES, SHAPE, CLASSES = 1024, (32, 32, 3), 10
 DIM, BLOCKS = 192, 4  # transformer(dim=192, blocks=4): 6 elements
 SINGLE, SINGLE_BOTH = "single 1 thread", "single 2 threads"
@@ -51,27 +51,40 @@ QUICK_PIPELINES = ["gpipe M=2", "1f1b M=8", "interleaved M=8", "zb-h1 M=8"]
 STEPS, QUICK_STEPS = 30, 3
 
 
+def _batch(text: str) -> int:
+    if not text.isdigit() or int(text) < 8 or int(text) % 8:
+        raise argparse.ArgumentTypeError(f"expected a multiple of 8 (M = 8), got {text!r}")
+    return int(text)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hosts", help="two hosts for the two stages, e.g. node1,node2")
+    parser.add_argument(
+        "--batch-size", type=_batch, default=BATCH, help=f"global batch (default {BATCH})"
+    )
     parser.add_argument("--label", help="names the setting in the report, e.g. 'capped 1 Gbit/s'")
 
 
-def _processes(logs: Path, names: list[str], hosts: str | None) -> dict[str, Process]:
+def _processes(logs: Path, names: list[str], hosts: str | None, batch: int) -> dict[str, Process]:
     """The three contender processes; each binds as its users would: a rank or the 1-thread
     process to one core, the 2-thread process to both (across hosts, a node's cores)."""
     worker = "ringtrain.bench.pipeline_worker"
-    ranks = mpirun_command(2, worker, "ranks", ",".join(names), binding="core")
-    placed = host_flags(hosts)
-    if placed:
-        ranks = [ranks[0], *placed, *ranks[1:]]
+    placed = host_flags(hosts)  # across hosts: unbound, a node's cores are its own
+    ranks = mpirun_command(
+        2, worker, str(batch), "ranks", ",".join(names), binding=None if placed else "core"
+    )
+    ranks = [ranks[0], *placed, *ranks[1:]]
     return {
         "pipeline": Process("pipeline ranks", ranks, mpi_env(1), logs),
         SINGLE: Process(
-            SINGLE, mpirun_command(1, worker, "single", SINGLE, binding="core"), mpi_env(1), logs
+            SINGLE,
+            mpirun_command(1, worker, str(batch), "single", SINGLE, binding="core"),
+            mpi_env(1),
+            logs,
         ),
         SINGLE_BOTH: Process(
             SINGLE_BOTH,
-            mpirun_command(1, worker, "single", SINGLE_BOTH, binding="none"),
+            mpirun_command(1, worker, str(batch), "single", SINGLE_BOTH, binding="none"),
             mpi_env(2),
             logs,
         ),
@@ -85,7 +98,8 @@ def measure(args: argparse.Namespace) -> dict:
     limit = time.monotonic() + deadline(args.quick)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
-        processes = _processes(Path(tmp), names, getattr(args, "hosts", None))
+        batch = getattr(args, "batch_size", BATCH)
+        processes = _processes(Path(tmp), names, getattr(args, "hosts", None), batch)
         try:
             ready = {role: p.receive(limit) for role, p in processes.items()}
             order = [SINGLE, SINGLE_BOTH, *names]
@@ -95,7 +109,7 @@ def measure(args: argparse.Namespace) -> dict:
                     process = processes.get(contender, processes["pipeline"])
                     process.send({"cmd": "run", "contender": contender, "steps": steps})
                     reply = process.receive(limit)
-                    reply["samples_per_sec"] = BATCH * steps / reply["seconds"]
+                    reply["samples_per_sec"] = batch * steps / reply["seconds"]
                     rows.append({"round": round_index, **reply})
         finally:
             for p in processes.values():
@@ -113,7 +127,7 @@ def measure(args: argparse.Namespace) -> dict:
             "model": f"transformer(dim={DIM}, blocks={BLOCKS}) (ringtrain.models)",
             "input": list(SHAPE),
             "samples": SAMPLES,
-            "global_batch": BATCH,
+            "global_batch": batch,
             "optimizer": f"SGD(learning_rate={LR})",
         },
         "ready": ready,

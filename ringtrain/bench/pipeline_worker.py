@@ -1,5 +1,6 @@
-"""The pipeline benchmark's processes: `ranks NAMES` (the 2 pipeline ranks, every pipeline
-contender in NAMES) or `single NAME` (one process, its threads from RINGTRAIN_THREADS).
+"""The pipeline benchmark's processes: `BATCH ranks NAMES` (the 2 pipeline ranks, every
+pipeline contender in NAMES) or `BATCH single NAME` (one process, its threads from
+RINGTRAIN_THREADS), at global batch BATCH.
 
 Each builds its engines, traces them and calibrates the pipelines once, says it is ready,
 then serves the parent's commands: time a contender for some steps and report.
@@ -23,7 +24,6 @@ from ringtrain.bench.common import (
     settings_in_force,
 )
 from ringtrain.bench.pipeline_bench import (
-    BATCH,
     BLOCKS,
     CLASSES,
     DIM,
@@ -36,9 +36,11 @@ from ringtrain.bench.pipeline_bench import (
 from ringtrain.data import Dataset, load_synthetic
 from ringtrain.models import ModelSpec, transformer
 
-BASE = bench_config(
-    "transformer", BATCH, LR, SEED, strategy="pipeline", partition="time", progress="none"
-)
+
+def base_config(batch: int):
+    return bench_config(
+        "transformer", batch, LR, SEED, strategy="pipeline", partition="time", progress="none"
+    )
 
 
 def workload() -> tuple[Dataset, ModelSpec]:
@@ -60,16 +62,17 @@ def held_bytes(spec: ModelSpec, bounds: list[tuple[int, int]], mb_size: int, rec
 class Contender:
     """One pipeline schedule's engine, calibrated once: the prediction it is measured against."""
 
-    def __init__(self, name: str, data: Dataset, spec: ModelSpec, world: runtime.World):
+    def __init__(self, name: str, data: Dataset, spec: ModelSpec, world: runtime.World, batch: int):
         from ringtrain.pipeline.calibrate import CALIBRATION_STEPS, stage_seconds
         from ringtrain.pipeline.costs import predict
         from ringtrain.pipeline.engine import PipelineEngine
 
         kind, micro, virtual = PIPELINES[name]
-        cfg = replace(BASE, schedule=kind, microbatches=micro, virtual_stages=virtual)
+        base = base_config(batch)
+        cfg = replace(base, schedule=kind, microbatches=micro, virtual_stages=virtual)
         self.engine, self.world, self.cfg = PipelineEngine(spec, data, cfg, world), world, cfg
         self.engine.calibrate_link()
-        self.batches = batch_stream(len(data.x), 1 + CALIBRATION_STEPS, BATCH, SEED)
+        self.batches = batch_stream(len(data.x), 1 + CALIBRATION_STEPS, batch, SEED)
         for batch in self.batches:  # step 0 traces the graphs; the rest calibrate
             self.engine.step(batch)
         rows = self.engine.trace.gather(world.comm)
@@ -102,7 +105,7 @@ class Contender:
         from ringtrain.pipeline.trace import measured_bubble, measured_step_seconds
 
         since = self.engine.step_index
-        stream = batch_stream(len(self.engine.data.x), steps, BATCH, SEED + since)
+        stream = batch_stream(len(self.engine.data.x), steps, self.cfg.batch_size, SEED + since)
         start = time.perf_counter()
         for batch in stream:
             self.engine.step(batch)
@@ -118,29 +121,29 @@ class Contender:
         }
 
 
-def ranks(names: list[str]) -> None:
+def ranks(batch: int, names: list[str]) -> None:
     world = runtime.start(with_horovod=False)
     data, spec = workload()
-    contenders = {name: Contender(name, data, spec, world) for name in names}
+    contenders = {name: Contender(name, data, spec, world, batch) for name in names}
     cpus = ranks_cpus_allowed(world.comm)
     if world.rank == 0:
         reply({"ready": True, "cpus_allowed_list": cpus, "environment": settings_in_force()})
     serve(world.comm, names, lambda name, steps: contenders[name].run(steps))
 
 
-def single(name: str) -> None:
+def single(batch: int, name: str) -> None:
     from ringtrain.dataparallel.engine import DataParallelEngine
 
     world = runtime.start(with_horovod=False)
     data, spec = workload()
-    engine = DataParallelEngine(spec, data, replace(BASE, strategy="single"), world)
-    engine.step(batch_stream(len(data.x), 1, BATCH, SEED)[0])  # trace outside the timing
+    engine = DataParallelEngine(spec, data, replace(base_config(batch), strategy="single"), world)
+    engine.step(batch_stream(len(data.x), 1, batch, SEED)[0])  # trace outside the timing
 
     def run(_name: str, steps: int) -> dict:
-        stream = batch_stream(len(data.x), steps, BATCH, SEED + 1)
+        stream = batch_stream(len(data.x), steps, batch, SEED + 1)
         start = time.perf_counter()
-        for batch in stream:
-            engine.step(batch)
+        for indices in stream:
+            engine.step(indices)
         return {"seconds": time.perf_counter() - start}
 
     reply(
@@ -155,7 +158,8 @@ def single(name: str) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "ranks":
-        ranks(sys.argv[2].split(","))
+    batch, role, what = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    if role == "ranks":
+        ranks(batch, what.split(","))
     else:
-        single(sys.argv[2])
+        single(batch, what)
