@@ -63,8 +63,7 @@ class Contender:
     """One pipeline schedule's engine, calibrated once: the prediction it is measured against."""
 
     def __init__(self, name: str, data: Dataset, spec: ModelSpec, world: runtime.World, batch: int):
-        from ringtrain.pipeline.calibrate import CALIBRATION_STEPS, stage_seconds
-        from ringtrain.pipeline.costs import predict
+        from ringtrain.pipeline.calibrate import CALIBRATION_STEPS
         from ringtrain.pipeline.engine import PipelineEngine
 
         kind, micro, virtual = PIPELINES[name]
@@ -72,16 +71,14 @@ class Contender:
         cfg = replace(base, schedule=kind, microbatches=micro, virtual_stages=virtual)
         self.engine, self.world, self.cfg = PipelineEngine(spec, data, cfg, world), world, cfg
         self.engine.calibrate_link()
-        self.batches = batch_stream(len(data.x), 1 + CALIBRATION_STEPS, batch, SEED)
-        for batch in self.batches:  # step 0 traces the graphs; the rest calibrate
-            self.engine.step(batch)
+        for indices in batch_stream(len(data.x), 1 + CALIBRATION_STEPS, batch, SEED):
+            self.engine.step(indices)  # step 0 traces the graphs; the rest calibrate
         rows = self.engine.trace.gather(world.comm)
         self.report: dict = {}
         if rows is None:
             return
         e = self.engine
-        seconds = stage_seconds(rows, range(1, 1 + CALIBRATION_STEPS))
-        predicted = predict(e.schedule, seconds, e.link_model, e.boundary_bytes)
+        predicted, calibration = e.prediction(rows, list(range(1, 1 + CALIBRATION_STEPS)))
         per_mb = held_bytes(spec, e.bounds, e.mb_size, cfg.recompute)
         peaks = e.predicted.peak_inflight
         self.report = {
@@ -95,10 +92,7 @@ class Contender:
             "boundary_bytes_per_microbatch": e.boundary_bytes,
             "bubble_predicted": predicted.bubble,
             "step_time_predicted": predicted.makespan,
-            "calibration": {
-                "seconds": {f"{s}{op}": v for (s, op), v in seconds.items()},
-                "link": e.link_model.to_json(),
-            },
+            "calibration": calibration,
         }
 
     def run(self, steps: int) -> dict | None:

@@ -41,7 +41,7 @@ from ringtrain.pipeline.calibrate import CALIBRATION_STEPS, ping_pong, stage_sec
 from ringtrain.pipeline.costs import FREE_LINK, predict
 from ringtrain.pipeline.grid import Grid
 from ringtrain.pipeline.ir import Action, Tensor, carries, consumes, produces
-from ringtrain.pipeline.simulate import simulate
+from ringtrain.pipeline.simulate import SimResult, simulate
 from ringtrain.pipeline.trace import (
     Trace,
     measured_bubble,
@@ -538,6 +538,19 @@ class PipelineEngine(Checkpointable):
             return {}
         return {"bubble_measured": measured_bubble(rows, self.ranks, skip_first=first == 0)}
 
+    def prediction(self, rows: np.ndarray, steps: list[int]) -> tuple[SimResult, dict]:
+        """The schedule replayed with this run's calibration (each action's time over `steps`
+        of a gathered trace, and the link model), and that calibration as a report."""
+        seconds = stage_seconds(rows, steps)
+        predicted = predict(self.schedule, seconds, self.link_model, self.boundary_bytes)
+        return predicted, {
+            "steps": steps,
+            "seconds": {f"{s}{op}": v for (s, op), v in seconds.items()},
+            "link": self.link_model.to_json(),
+            "boundary_bytes": self.boundary_bytes,
+            "elements": self.element_seconds,
+        }
+
     def extra_metrics(self) -> dict:
         rows = self.trace.gather(self.world.comm)
         peaks = np.zeros(self.world.size, np.int64)
@@ -546,9 +559,8 @@ class PipelineEngine(Checkpointable):
         if rows is None:
             return {}
         title = f"{self.schedule.kind} P={self.ranks} M={self.cfg.microbatches}"
-        calibration = list(range(1, min(self.step_index, 1 + CALIBRATION_STEPS))) or [0]
-        seconds = stage_seconds(rows, calibration)
-        predicted = predict(self.schedule, seconds, self.link_model, self.boundary_bytes)
+        steps = list(range(1, min(self.step_index, 1 + CALIBRATION_STEPS))) or [0]
+        predicted, calibration = self.prediction(rows, steps)
         if self.cfg.trace:
             write_chrome_trace(rows, self.ranks, self.cfg.trace)
         if self.cfg.gantt:
@@ -571,13 +583,7 @@ class PipelineEngine(Checkpointable):
             "bubble_predicted_unit_costs": self.predicted.bubble,
             "step_time_measured": measured_step_seconds(rows),
             "step_time_predicted": predicted.makespan,
-            "calibration": {
-                "steps": calibration,
-                "seconds": {f"{s}{op}": v for (s, op), v in seconds.items()},
-                "link": self.link_model.to_json(),
-                "boundary_bytes": self.boundary_bytes,
-                "elements": self.element_seconds,
-            },
+            "calibration": calibration,
             "peak_inflight": peaks.tolist(),
             "replica_checksums": checksums,
         }
