@@ -113,16 +113,16 @@ class Link:
         deadline = time.monotonic() + self.timeout + extra
         pause = 0.0
         while not request.Test():
-            if time.monotonic() > deadline and not self._patient(peer):
+            if time.monotonic() > deadline and not self._patient(peer, self.timeout + extra):
                 self.abort(self._silence(peer, what, waited(self.timeout, extra)))
             if pause:
                 time.sleep(pause)
             pause = min(0.001, pause * 2 or 0.00002)  # back off so a waiting rank frees its core
 
-    def _patient(self, peer: int | None) -> bool:
+    def _patient(self, peer: int | None, allowed: float) -> bool:
         from ringtrain.heartbeat import patient
 
-        return patient(None if peer is None else world_rank(self.comm, peer))
+        return patient(None if peer is None else world_rank(self.comm, peer), allowed)
 
     def _silence(self, peer: int | None, what: str, allowed: str) -> str:
         if peer is None:  # a collective: the heartbeat may know who is missing

@@ -158,7 +158,7 @@ class Watchdog:
             quiet = time.monotonic() - self.last
             if not self.active or quiet <= max(self.timeout + self.extra, self.startup):
                 continue
-            if patient(None):
+            if patient(None, self.timeout + self.extra):
                 was_patient = True
                 continue
             how_long = waited(self.timeout, self.extra)

@@ -160,15 +160,16 @@ def start(comm, timeout: float, startup_timeout: float = 0.0) -> Heartbeat:
     return current
 
 
-def patient(world_rank: int | None) -> bool:
+def patient(world_rank: int | None, allowed: float) -> bool:
     """Whether a deadline that passed should be waited past: during start-up and the first
     step (graph tracing and compiling, slow on a loaded node, up to --startup-timeout), a
-    peer heard from within --comm-timeout (every peer, for None) is slow, not lost. A starved
-    core delays beats by seconds, so `overdue` is too strict here."""
+    peer heard from within the deadline's `allowed` seconds (every peer, for None) is slow,
+    not lost. A starved core delays beats by seconds, and on a slow link they queue behind
+    the step's own bytes, so `overdue` is too strict here."""
     if current is None or time.monotonic() > current.patient_until:
         return False
     peers = current.peers if world_rank is None else [world_rank]
-    return all(current.quiet(p) < current.timeout for p in peers)
+    return all(current.quiet(p) < allowed for p in peers)
 
 
 def settle() -> None:
