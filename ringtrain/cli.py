@@ -64,6 +64,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     from ringtrain.config import (
         LOOPS,
         MODELS,
+        MPI_PROGRESS,
         OPTIMIZERS,
         PARTITIONS,
         PROGRESS,
@@ -152,6 +153,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="synchronous sends (Ssend): proves the schedule needs no MPI buffering",
     )
+    p.add_argument(
+        "--mpi-progress",
+        default="auto",
+        help=f"one of {', '.join(MPI_PROGRESS)}: a thread that keeps a stage's transfers "
+        "moving while it computes (auto: when the pipeline spans hosts)",
+    )
     p.add_argument("--checkpoint-dir", help="write checkpoints here (atomic, with a manifest)")
     p.add_argument(
         "--checkpoint-every",
@@ -223,6 +230,7 @@ def config_from_args(args: argparse.Namespace):
         startup_timeout=args.startup_timeout,
         min_link_rate=args.min_link_rate,
         sync_sends=args.sync_sends,
+        mpi_progress=args.mpi_progress,
         metrics_out=args.metrics_out,
         weights_out=args.weights_out,
         trace=args.trace,

@@ -20,6 +20,7 @@ LOOPS = ("custom", "fit")
 SCHEDULE_KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1")
 PARTITIONS = ("uniform", "params", "time")
 PROGRESS = ("auto", "bar", "lines", "none")
+MPI_PROGRESS = ("auto", "thread", "off")
 MAX_SEED = 2**32 - 1  # what every seeded generator on the way accepts
 MPI_TAG_LIMIT = 32767  # the largest tag every MPI must accept (MPI_TAG_UB may be larger)
 
@@ -54,6 +55,7 @@ class TrainConfig:
     startup_timeout: float = 600.0  # living peers may take this long to trace the first step
     min_link_rate: float = 1.0  # MB/s a transfer may not fall below (comm.allowance)
     sync_sends: bool = False
+    mpi_progress: str = "auto"  # auto: a progress thread when a pipeline spans hosts
     metrics_out: str | None = None
     weights_out: str | None = None
     trace: str | None = None
@@ -165,6 +167,7 @@ def validate_flags(cfg: TrainConfig, world_size: int, n_elements: int | None = N
     if cfg.partition is not None:
         _choice("partition", cfg.partition, PARTITIONS)
     _choice("progress", cfg.progress, PROGRESS)
+    _choice("mpi-progress", cfg.mpi_progress, MPI_PROGRESS)
     _check_numbers(cfg)
     if cfg.epochs is not None and cfg.steps is not None:
         raise UserError("give either --epochs or --steps, not both")

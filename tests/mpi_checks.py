@@ -49,6 +49,7 @@ REPORTED = (
     "clip_norm",
     "loop",
     "sync_sends",
+    "mpi_progress",
     "partition",
 )
 
@@ -64,12 +65,13 @@ def every_model_and_optimizer(strategy: str, **changes) -> list[TrainConfig]:
 
 def zero_bubble(world_size: int) -> list[TrainConfig]:
     """ZB-H1 at M = 1, 3 and 8 (batch 64: 60 has no factor 8) on mlp and transformer, SGD and
-    Adam over the world sizes, and one run twice: with and without --recompute."""
+    Adam over the world sizes, and one run twice: with and without --recompute. Two runs
+    keep a progress thread calling MPI during compute (as across hosts)."""
     zb = functools.partial(case, "pipeline", schedule="zb-h1")
     runs = {
         2: [
             zb("mlp", "sgd", microbatches=1),
-            zb("transformer", "adam", microbatches=3),
+            zb("transformer", "adam", microbatches=3, mpi_progress="thread"),
             zb("mlp", "adam", microbatches=8, batch_size=64),
             zb("mlp", "adam", microbatches=8, batch_size=64, recompute=True),
         ],
@@ -81,7 +83,7 @@ def zero_bubble(world_size: int) -> list[TrainConfig]:
         4: [
             zb("mlp", "adam", microbatches=1),
             zb("transformer", "sgd", microbatches=3, recompute=True),
-            zb("mlp", "sgd", microbatches=8, batch_size=64),
+            zb("mlp", "sgd", microbatches=8, batch_size=64, mpi_progress="thread"),
         ],
     }
     return runs[world_size]

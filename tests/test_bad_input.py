@@ -77,6 +77,7 @@ BAD_TRAIN_FLAGS = [
         "not divisible by --microbatches 5",
     ),
     (["--strategy", "pipeline", "--schedule", "zigzag"], "unknown schedule 'zigzag'"),
+    (["--mpi-progress", "sometimes"], "unknown mpi-progress 'sometimes'"),
     (["--strategy", "pipeline", "--partition", "random"], "unknown partition 'random'"),
     (["--strategy", "pipeline", "--virtual-stages", "0"], "--virtual-stages must be at least 1"),
     (

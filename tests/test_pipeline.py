@@ -80,6 +80,8 @@ def test_interleaved_and_zero_bubble_cover_their_grid(grid_checks):
     assert all(
         r["config"]["recompute"] is False for r in every if r["config"]["schedule"] == "1f1b"
     )
+    threaded = {r["stages"] for r in every if r["config"]["mpi_progress"] == "thread"}
+    assert threaded == {2, 4}  # exact with a progress thread inside MPI during compute
 
 
 SPLIT = ("interleaved", "zb-h1")

@@ -49,6 +49,7 @@ from ringtrain.pipeline.trace import (
     timeline,
     write_chrome_trace,
 )
+from ringtrain.progress import progress_ticker
 from ringtrain.runtime import World
 from ringtrain.tensorflow_loader import tf
 from ringtrain.weights import replica_checksums
@@ -216,6 +217,7 @@ class PipelineEngine(Checkpointable):
             "STEP": self._step_optimizer,
         }
         self.trace, self.step_index, self.peak_inflight = Trace(), 0, 0
+        self.ticker = progress_ticker(self.pipe, cfg.mpi_progress)
         self.epoch_start = 0  # step_index where the epoch epoch_scalars() will report began
         self.link_model = FREE_LINK
         if cfg.metrics_out or cfg.gantt:  # they report a prediction, which needs the link's
@@ -305,10 +307,11 @@ class PipelineEngine(Checkpointable):
         self.ready: dict[Tensor, tf.Tensor] = {}  # received or handed over within this rank
         self.outbox: dict[Tensor, tf.Tensor] = {}  # computed, for a send action to take
         self.inbox.post_step()
-        for action in self.actions:
-            start = time.time()
-            self.dispatch[action.op](action)
-            self.trace.record(self.step_index, action.code, action.mb, start, action.stage)
+        with self.ticker:
+            for action in self.actions:
+                start = time.time()
+                self.dispatch[action.op](action)
+                self.trace.record(self.step_index, action.code, action.mb, start, action.stage)
         self.step_index += 1
         return self._loss_to_rank0()
 
