@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+import textwrap
 import time
 from contextlib import suppress
 from pathlib import Path
@@ -222,7 +223,7 @@ def draw(report: dict, path: str) -> None:
         [i + 0.2 for i in x], [e["bubble_predicted_median"] for e in pipes], 0.4, label="predicted"
     )
     left.set_xticks(list(x), names, rotation=30, ha="right", fontsize=8)
-    left.set(ylabel="bubble", title=f"bubble, P=2 ({report['setting']})")
+    left.set(ylabel="bubble", title="bubble, P=2")
     left.legend(fontsize=8)
     every = report["summary"]
     right.bar(range(len(every)), [e["speedup_vs_single_median"] for e in every])
@@ -231,6 +232,7 @@ def draw(report: dict, path: str) -> None:
         range(len(every)), [e["contender"] for e in every], rotation=30, ha="right", fontsize=8
     )
     right.set(ylabel="samples/s over 1 thread", title="throughput over one process")
+    fig.suptitle(textwrap.fill(report["setting"], 110), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
