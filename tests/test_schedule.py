@@ -420,7 +420,8 @@ def test_a_prediction_adds_measured_compute_and_the_link_s_time_per_message():
 
 def test_calibration_takes_each_stage_s_action_times_over_the_steps_asked():
     """Rows as a gathered trace holds them: step, op, mb, start, end, stage, rank. Every
-    action's median, a receive's least (waiting is the simulator's to work out)."""
+    action's median; for every receive the least in the pipeline (waiting is the simulator's
+    to work out)."""
     f, b = OPS.index("F"), OPS.index("B")
     rows = np.array(
         [
@@ -435,8 +436,13 @@ def test_calibration_takes_each_stage_s_action_times_over_the_steps_asked():
         (1, "B"): 2.0,
         (0, "SEND_ACT"): pytest.approx(0.1),
     }
-    receives = np.array([[1, OPS.index("RA"), m, 0.0, 1.0 + m, 1, 1] for m in range(3)])
-    assert stage_seconds(receives, [1]) == {(1, "RECV_ACT"): 1.0}  # the least: no waiting
+    receives = np.array(
+        [
+            *([1, OPS.index("RA"), m, 0.0, 1.0 + m, 1, 1] for m in range(3)),  # each waited
+            [1, OPS.index("RG"), 0, 0.0, 0.25, 0, 0],  # its data was there: host work only
+        ]
+    )
+    assert stage_seconds(receives, [1]) == {(1, "RECV_ACT"): 0.25, (0, "RECV_GRAD"): 0.25}
 
 
 def test_a_message_s_host_work_delays_its_arrival_and_its_receiver():

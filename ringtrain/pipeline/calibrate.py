@@ -28,15 +28,18 @@ ROUND_TRIPS = 5
 
 def stage_seconds(rows: np.ndarray, steps: Collection[int]) -> dict[tuple[int, str], float]:
     """Seconds of each (stage, op) over the given steps of a gathered trace: the median of
-    every action, except a receive's, whose least is its host work (its waits are what the
-    simulator works out)."""
+    every action, except a receive's. Its waits are what the simulator works out, so it gets
+    only host work: the least receive anywhere in the pipeline, the one whose data was there.
+    (A stage's own least is no such thing where every one of its receives waits, as the last
+    stage's do across a slow link, and its wait would be counted twice.)"""
     chosen = rows[np.isin(rows[:, STEP], list(steps)) & (rows[:, STAGE] >= 0)]
     durations: dict[tuple[int, str], list[float]] = {}
     for row in chosen:
         op = OP_NAMES[OPS[int(row[OP])]]
         durations.setdefault((int(row[STAGE]), op), []).append(float(row[END] - row[START]))
+    receives = [v for (_, op), values in durations.items() if op.startswith("RECV") for v in values]
     return {
-        key: (min if key[1].startswith("RECV") else median)(values)
+        key: min(receives) if key[1].startswith("RECV") else median(values)
         for key, values in durations.items()
     }
 
