@@ -28,7 +28,6 @@ class Ticker:
 
         self.comm, self.period, self.any_source = comm.Dup(), period, MPI.ANY_SOURCE
         self.running = threading.Event()
-        self.stopped = False
         self.thread = threading.Thread(target=self._tick, daemon=True, name="ringtrain-progress")
         self.thread.start()
 
@@ -39,13 +38,8 @@ class Ticker:
     def __exit__(self, *_exc) -> None:
         self.running.clear()
 
-    def stop(self) -> None:
-        self.stopped = True
-        self.running.set()
-        self.thread.join(timeout=5)
-
     def _tick(self) -> None:
-        while self.running.wait() and not self.stopped:
+        while self.running.wait():
             self.comm.Iprobe(self.any_source, TAG)  # any MPI call runs the progress engine
             time.sleep(self.period)
 

@@ -37,9 +37,12 @@ def stage_seconds(rows: np.ndarray, steps: Collection[int]) -> dict[tuple[int, s
     for row in chosen:
         op = OP_NAMES[OPS[int(row[OP])]]
         durations.setdefault((int(row[STAGE]), op), []).append(float(row[END] - row[START]))
-    receives = [v for (_, op), values in durations.items() if op.startswith("RECV") for v in values]
+    host_work = min(
+        (v for (_, op), values in durations.items() if op.startswith("RECV") for v in values),
+        default=0.0,
+    )
     return {
-        key: min(receives) if key[1].startswith("RECV") else median(values)
+        key: host_work if key[1].startswith("RECV") else median(values)
         for key, values in durations.items()
     }
 
