@@ -36,6 +36,15 @@ def default_threads(local_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, local_size))
 
 
+def inter_op_threads(threads: int, with_horovod: bool) -> int:
+    """At least two where Horovod averages gradients. Its allreduce is an asynchronous kernel,
+    and with one inter-op thread TensorFlow's executor dispatches it only once the chain of
+    backward ops it runs inline is done, so no bucket starts before the backward ends. A second
+    thread only hands each bucket to Horovod as it is ready; the compute stays on the intra-op
+    pool."""
+    return max(threads, 2) if with_horovod else threads
+
+
 def tune_environment(local_size: int) -> None:
     """Defaults for a node that ranks fill; every value can be overridden by the environment."""
     if local_size >= (os.cpu_count() or 1):
@@ -67,15 +76,20 @@ def start_mpi(local_size: int):
     return MPI.COMM_WORLD
 
 
-def start(with_horovod: bool, process_sets: list[list[int]] | None = None) -> World:
-    """Initialise MPI (and Horovod on the same communicator) and size TensorFlow's thread pools."""
+def start(
+    with_horovod: bool, process_sets: list[list[int]] | None = None, horovod_later: bool = False
+) -> World:
+    """Initialise MPI (and Horovod on the same communicator) and size TensorFlow's thread pools;
+    `horovod_later` sizes them for a Horovod that the caller starts itself (the benchmarks)."""
     me = who_am_i()
     comm = start_mpi(me.local_size)
     from ringtrain.tensorflow_loader import tf
 
     threads = default_threads(me.local_size)
     tf.config.threading.set_intra_op_parallelism_threads(threads)
-    tf.config.threading.set_inter_op_parallelism_threads(threads)
+    tf.config.threading.set_inter_op_parallelism_threads(
+        inter_op_threads(threads, with_horovod or horovod_later)
+    )
     gpus = tf.config.list_physical_devices("GPU")
     if gpus:  # one GPU per rank, chosen by local rank
         tf.config.set_visible_devices(gpus[me.local_rank % len(gpus)], "GPU")

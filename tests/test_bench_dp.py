@@ -8,7 +8,14 @@ import json
 import pytest
 from conftest import BIN, run
 
-CONTENDERS = ("single", "compute per rank", "ringtrain", "ringtrain bucketed", "plain Horovod")
+CONTENDERS = (
+    "single",
+    "compute per rank",
+    "ringtrain",
+    "ringtrain bucketed",
+    "plain Horovod",
+    "MWMS tuned, inter-op 2",  # TensorFlow's workers, taking turns with ringtrain's launch
+)
 
 
 @pytest.mark.mpi
@@ -32,6 +39,8 @@ def test_bench_dp_quick_reports_the_roofline_beside_every_contender(tmp_path):
     assert ms["no-overlap limit"] == pytest.approx(
         ms["compute per rank"] + min(ms["MPI_Allreduce in place"], ms["MPI_Allreduce out of place"])
     )
+    assert cnn["ratios"]["ringtrain over tuned MWMS (speed)"] > 0
+    assert cnn["mwms"]["mwms-2"]["cpus_allowed_list"]
     trace = cnn["overlap_trace"]
     assert len(trace["bucket_arrival_ms"]) == cnn["buckets"] >= 1
     assert "ALLREDUCE" in json.dumps(cnn["horovod_timeline_ms_per_step"]).upper()

@@ -170,7 +170,7 @@ def _memcpy_rows(comm, budget: int, max_iters: int) -> list[dict]:
 
 
 def main(out_path: str, rounds: int, sizes: list[int], budget: int, max_iters: int) -> None:
-    world = runtime.start(with_horovod=False)
+    world = runtime.start(with_horovod=False, horovod_later=True)
     import tensorflow as tf
 
     inputs = {

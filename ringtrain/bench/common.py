@@ -497,3 +497,33 @@ def read_command() -> dict:
     """The parent's next command; a closed pipe means the parent is gone, so quit."""
     line = sys.stdin.readline()
     return json.loads(line) if line.strip() else {"cmd": "quit"}
+
+
+class Turns:
+    """Contenders in launches of their own (TensorFlow's workers beside ringtrain's mpirun)
+    take turns round by round through marker files in a folder their leaders share: a launch
+    waits for the one before it in `order` to finish the same round (the first, for the last
+    to finish the round before). A launch that failed is marked so, and nobody waits on it."""
+
+    def __init__(self, folder: str | Path, order: list[str], me: str, timeout: float = 900.0):
+        self.folder, self.order, self.me, self.timeout = Path(folder), order, me, timeout
+
+    def wait(self, round_: int) -> None:
+        """Block (sleeping) until it is this launch's turn in `round_`."""
+        i = self.order.index(self.me)
+        before, its_round = self.order[i - 1], round_ if i > 0 else round_ - 1
+        if its_round < 0 or before == self.me:
+            return
+        until = time.monotonic() + self.timeout
+        while not (self.folder / f"{before}-{its_round}").exists():
+            if (self.folder / f"{before}-failed").exists():
+                return
+            if time.monotonic() > until:
+                raise RunFailed(f"{before} did not finish round {its_round} in {self.timeout} s")
+            time.sleep(0.02)
+
+    def done(self, round_: int) -> None:
+        (self.folder / f"{self.me}-{round_}").touch()
+
+    def failed(self, launch: str) -> None:
+        (self.folder / f"{launch}-failed").touch()

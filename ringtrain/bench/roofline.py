@@ -14,13 +14,25 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
 from typing import TYPE_CHECKING
 
-from ringtrain.bench.common import deadline, host_flags, mpi_env, mpirun_command, run_bounded
+from ringtrain.bench.common import (
+    RunFailed,
+    Turns,
+    deadline,
+    end_session,
+    host_flags,
+    last_words,
+    mpi_env,
+    mpirun_command,
+    start_session,
+)
+from ringtrain.bench.strategies import free_ports
 
 if TYPE_CHECKING:
     from ringtrain.data import Dataset
@@ -36,6 +48,15 @@ CONTENDERS = [
     "plain Horovod",
 ]
 STEPS, QUICK_STEPS = 30, 5
+LAUNCH = "ringtrain"  # the launch of ringtrain's contenders, first in the turn order
+# TensorFlow's MultiWorkerMirrored, tuned as `bench strategies` tunes it: RING collectives,
+# inter-op threads 1 and 2 (the faster counts); a quick run keeps the one that sweep chose.
+MWMS_INTER_OPS, QUICK_MWMS_INTER_OPS = (1, 2), (2,)
+
+
+def launch_name(inter_op: int) -> str:
+    """The launch of MWMS workers with `inter_op` inter-op threads."""
+    return f"mwms-{inter_op}"
 
 
 @dataclass(frozen=True)
@@ -80,11 +101,12 @@ def _heavy_cnn(shape: tuple[int, ...], classes: int) -> ModelSpec:
 
 
 def _wide_mlp(shape: tuple[int, ...], classes: int) -> ModelSpec:
-    """Wide dense layers: gradient bytes that take about as long to move across a 1 Gbit/s
-    link as their compute takes."""
+    """Four 1024-wide dense layers on small inputs: gradient bytes spread evenly over the
+    layers, so the backward releases them steadily, and about as long to move across a
+    1 Gbit/s link (14 MB) as a rank's compute on its 1024 examples takes."""
     from ringtrain.models import mlp
 
-    return mlp(shape, classes, widths=(768, 768, 768))
+    return mlp(shape, classes, widths=(1024, 1024, 1024, 1024))
 
 
 WORKLOADS = {
@@ -92,7 +114,7 @@ WORKLOADS = {
     for w in (
         Workload("cnn", "latency-bound", (32, 32, 3), 64, 1024, _cnn),
         Workload("heavy-cnn", "compute-bound", (32, 32, 3), 64, 1024, _heavy_cnn),
-        Workload("wide-mlp", "balanced", (32, 32, 3), 512, 4096, _wide_mlp),
+        Workload("wide-mlp", "balanced", (16, 16, 1), 2048, 8192, _wide_mlp),
     )
 }
 
@@ -122,21 +144,55 @@ def measure(args: argparse.Namespace) -> dict:
     """One mpirun per workload; their reports, summarised."""
     steps = QUICK_STEPS if args.quick else STEPS
     extra = host_flags(getattr(args, "hosts", None))
+    hosts = args.hosts.split(",") if getattr(args, "hosts", None) else ["localhost"] * 2
     folder = Path(tempfile.mkdtemp(prefix="ringtrain-bench-dp-"))
     reports = []
+    inter_ops = QUICK_MWMS_INTER_OPS if args.quick else MWMS_INTER_OPS
+    order = [LAUNCH, *(launch_name(i) for i in inter_ops)]
     for workload in map(WORKLOADS.get, args.workloads):
+        turns = folder / f"turns-{workload.name}"
+        turns.mkdir()
+        shared = [str(args.rounds), str(steps)]
+        tail = [str(turns), ",".join(order)]
         out = folder / f"{workload.name}.json"
-        command = mpirun_command(
-            2,
-            "ringtrain.bench.roofline_worker",
-            workload.name,
-            str(args.rounds),
-            str(steps),
-            str(out),
+        launches = {
+            LAUNCH: (
+                mpirun_command(
+                    2, "ringtrain.bench.roofline_worker", workload.name, *shared, str(out), *tail
+                ),
+                out,
+            )
+        }
+        for inter in inter_ops:
+            mwms_out = folder / f"{workload.name}-{launch_name(inter)}.json"
+            addresses = ",".join(f"{h}:{p}" for h, p in zip(hosts, free_ports(2), strict=True))
+            launches[launch_name(inter)] = (
+                mpirun_command(
+                    2,
+                    "ringtrain.bench.roofline_mwms_worker",
+                    workload.name,
+                    *shared,
+                    str(inter),
+                    addresses,
+                    *tail,
+                    str(mwms_out),
+                ),
+                mwms_out,
+            )
+        for command, _ in launches.values():
+            command[1:1] = extra
+        failures = run_in_turns(
+            {name: c for name, (c, _) in launches.items()},
+            Turns(turns, order, LAUNCH),
+            folder,
+            deadline(args.quick),
         )
-        command[1:1] = extra
-        run_bounded(command, mpi_env(1), deadline(args.quick), folder / "ranks.log")
-        reports.append(summarise(json.loads(out.read_text())))
+        mwms = {
+            name: json.loads(o.read_text()) if name not in failures else {"failed": failures[name]}
+            for name, (_, o) in launches.items()
+            if name != LAUNCH
+        }
+        reports.append(summarise(json.loads(out.read_text()), mwms))
     setting = getattr(args, "label", None) or (
         f"across {args.hosts}" if getattr(args, "hosts", None) else "one host, shared memory"
     )
@@ -149,7 +205,39 @@ def measure(args: argparse.Namespace) -> dict:
     }
 
 
-def summarise(report: dict) -> dict:
+def run_in_turns(
+    launches: dict[str, list[str]], turns: Turns, folder: Path, timeout: float
+) -> dict[str, str]:
+    """Start every launch at once (they take turns among themselves); ringtrain's must
+    succeed, a TensorFlow one may fail, and is then marked so nobody waits for it. Returns the
+    failed launches' last words."""
+    logs = {name: folder / f"{name}.log" for name in launches}
+    running = {
+        name: start_session(cmd, mpi_env(1), stderr=open(logs[name], "w"))  # noqa: SIM115
+        for name, cmd in launches.items()
+    }
+    failures: dict[str, str] = {}
+    until = time.monotonic() + timeout
+    try:
+        while any(p.poll() is None for p in running.values()):
+            if time.monotonic() > until:
+                raise RunFailed(f"bench dp did not finish within {timeout:.0f} s")
+            for name, process in running.items():
+                if process.poll() not in (None, 0) and name not in failures:
+                    if name == LAUNCH:
+                        raise RunFailed(f"the benchmark ranks failed: {last_words(logs[name])}")
+                    failures[name] = last_words(logs[name])
+                    turns.failed(name)
+            time.sleep(0.2)
+    finally:
+        for process in running.values():
+            end_session(process)
+    if running[LAUNCH].returncode != 0:
+        raise RunFailed(f"the benchmark ranks failed: {last_words(logs[LAUNCH])}")
+    return failures
+
+
+def summarise(report: dict, mwms: dict[str, dict]) -> dict:
     """Medians over rounds, the roofline and the ratios the issue's targets read."""
     rows = report["rounds"]
 
@@ -166,6 +254,14 @@ def summarise(report: dict) -> dict:
     }
     best = min(ringtrain, bucketed)
     no_overlap, full_overlap = compute + allreduce, max(compute, allreduce)
+    tf_ms = {
+        f"MWMS tuned, inter-op {m['inter_op']}": median(m["ms"]) for m in mwms.values() if "ms" in m
+    }
+    for r, row in enumerate(rows):
+        row |= {
+            f"MWMS tuned, inter-op {m['inter_op']}": m["ms"][r] for m in mwms.values() if "ms" in m
+        }
+    tf_best = min(tf_ms.values(), default=None)
     return {
         **{k: report[k] for k in ("workload", "global_batch", "gradient_bytes", "buckets")},
         "regime": WORKLOADS[report["workload"]].regime,
@@ -179,6 +275,7 @@ def summarise(report: dict) -> dict:
             "ringtrain": ringtrain,
             "ringtrain bucketed": bucketed,
             "plain Horovod": plain,
+            **tf_ms,
             "no-overlap limit": no_overlap,
             "full-overlap limit": full_overlap,
         },
@@ -189,7 +286,9 @@ def summarise(report: dict) -> dict:
             "ringtrain / plain Horovod (step time)": best / plain,
             "overhead beyond compute + MPI_Allreduce (ms)": best - no_overlap,
             "bucketed gain over no-overlap limit": no_overlap / bucketed - 1,
+            **({"ringtrain over tuned MWMS (speed)": tf_best / best} if tf_best else {}),
         },
+        "mwms": {name: {k: v for k, v in m.items() if k != "ms"} for name, m in mwms.items()},
         "rounds": rows,
     }
 
@@ -206,7 +305,11 @@ def describe(result: dict) -> list[str]:
             f"{ms['full-overlap limit']:.2f}; ringtrain {ms['ringtrain']:.2f}, bucketed "
             f"{ms['ringtrain bucketed']:.2f}, plain Horovod {ms['plain Horovod']:.2f}, "
             f"single {ms['single']:.2f}"
+            + "".join(f", {k} {v:.2f}" for k, v in ms.items() if k.startswith("MWMS"))
         )
+        lines += [
+            f"    {name} failed: {m['failed']}" for name, m in w["mwms"].items() if "failed" in m
+        ]
         lines.append(
             "    "
             + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items())
@@ -229,10 +332,14 @@ def draw(result: dict, path: str) -> None:
     axes = grid[0]
     for ax, w in zip(axes, workloads, strict=True):
         values = [w["ms"][n] for n in names]
-        ax.bar(range(len(names)), values, color=["tab:blue", "tab:cyan", "tab:gray"])
+        tf_runs = [v for k, v in w["ms"].items() if k.startswith("MWMS")]
+        values += [min(tf_runs)] if tf_runs else []
+        colors = ["tab:blue", "tab:cyan", "tab:gray", "tab:orange"][: len(values)]
+        ax.bar(range(len(values)), values, color=colors)
         for limit, style in (("no-overlap limit", "--"), ("full-overlap limit", ":")):
             ax.axhline(w["ms"][limit], color="black", linestyle=style, label=limit)
-        ax.set_xticks(range(len(names)), ["ringtrain", "bucketed", "plain hvd"])
+        labels = ["ringtrain", "bucketed", "plain hvd", "MWMS tuned"][: len(values)]
+        ax.set_xticks(range(len(values)), labels)
         ax.set_title(f"{w['workload']} ({w['regime']})")
         ax.set_ylabel("ms per step")
     axes[0].legend(fontsize=7)

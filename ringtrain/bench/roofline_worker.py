@@ -1,7 +1,11 @@
 """The ranks of `ringtrain bench dp`: every contender and every roofline term of one workload,
 measured in one mpirun, alternating round by round.
 
-    mpirun -np 2 python -m ringtrain.bench.roofline_worker WORKLOAD ROUNDS STEPS OUT.json
+    mpirun -np 2 python -m ringtrain.bench.roofline_worker \
+        WORKLOAD ROUNDS STEPS OUT.json TURNS_FOLDER ORDER
+
+ORDER names the launches that take turns round by round (ringtrain, then TensorFlow's
+MultiWorkerMirrored workers, see roofline_mwms_worker); TURNS_FOLDER holds their markers.
 
 Contenders: one process on the global batch (the efficiency baseline), ringtrain's data
 parallelism as `ringtrain train` runs it (the real loop: learning rate, step, stop agreement,
@@ -35,13 +39,14 @@ from ringtrain.bench.allreduce_worker import (
     slowest_rank_seconds,
 )
 from ringtrain.bench.common import (
+    Turns,
     batch_stream,
     cpus_allowed,
     horovod_running,
     idle_barrier,
     settings_in_force,
 )
-from ringtrain.bench.roofline import BUCKET_MB, CONTENDERS, WORKLOADS, Workload
+from ringtrain.bench.roofline import BUCKET_MB, CONTENDERS, LAUNCH, WORKLOADS, Workload
 from ringtrain.config import TrainConfig
 from ringtrain.data import Dataset, load_synthetic, shard
 from ringtrain.weights import variable_bytes
@@ -181,13 +186,13 @@ def timeline_ms(path: str, steps: int) -> dict[str, float]:
     return totals
 
 
-def measure(workload: Workload, rounds: int, steps: int, out: str) -> None:
+def measure(workload: Workload, rounds: int, steps: int, out: str, turns: Turns) -> None:
     from mpi4py import MPI
 
     from ringtrain.dataparallel.engine import DataParallelEngine
 
     users_cycle = os.environ.get("HOROVOD_CYCLE_TIME")  # before ringtrain's default fills it
-    world = runtime.start(with_horovod=False)
+    world = runtime.start(with_horovod=False, horovod_later=True)
     data = load_synthetic(workload.samples, workload.shape, 10, SEED)
     spec = workload.spec(data)
     cfg = TrainConfig(
@@ -216,7 +221,7 @@ def measure(workload: Workload, rounds: int, steps: int, out: str) -> None:
         for engine in engines.values():
             engine.step(stream[0])
         plain(stream[0])
-    alone = runtime.World(world.rank, 1, 0, 1, MPI.COMM_SELF, None)
+    alone = runtime.World(0, 1, 0, 1, MPI.COMM_SELF, None)  # a world of its own: rank 0 of 1
     half = replace(cfg, strategy="single", batch_size=workload.batch // world.size)
     local = DataParallelEngine(spec, data, half, alone)  # one rank's compute, no allreduce
     single = DataParallelEngine(spec, data, replace(cfg, strategy="single"), alone)
@@ -224,6 +229,7 @@ def measure(workload: Workload, rounds: int, steps: int, out: str) -> None:
 
     rows = []
     for r in range(rounds):
+        take_turn(turns, world.comm, r)
         order = CONTENDERS[r % len(CONTENDERS) :] + CONTENDERS[: r % len(CONTENDERS)]
         row: dict = {"round": r}
         for name in order:
@@ -249,6 +255,9 @@ def measure(workload: Workload, rounds: int, steps: int, out: str) -> None:
                     ms, phases = ringtrain_loop(engines[name], data, cfg, world)
                 row[name], row[f"{name} breakdown"] = ms, phases
         rows.append(row)
+        if world.rank == 0:
+            turns.done(r)
+    take_turn(turns, world.comm, rounds)  # TensorFlow's last round is over
     link = link_rate_mb_s(world.comm)
     with horovod_settings(HOROVOD_TIMELINE="DYNAMIC"), horovod_running(world.comm) as hvd:
         trace = overlap_trace(engines["ringtrain bucketed"], stream)
@@ -279,6 +288,14 @@ def measure(workload: Workload, rounds: int, steps: int, out: str) -> None:
         Path(out).write_text(json.dumps(report, indent=1))
 
 
+def take_turn(turns: Turns, comm, round_: int) -> None:
+    """Rank 0 waits for the launch before ringtrain's; the other rank sleeps in a barrier."""
+    if comm.Get_rank() == 0:
+        turns.wait(round_)
+    idle_barrier(comm)
+
+
 if __name__ == "__main__":
-    name, rounds, steps, out = sys.argv[1:5]
-    measure(WORKLOADS[name], int(rounds), int(steps), out)
+    name, rounds, steps, out, folder, order = sys.argv[1:7]
+    turns = Turns(folder, order.split(","), LAUNCH)
+    measure(WORKLOADS[name], int(rounds), int(steps), out, turns)

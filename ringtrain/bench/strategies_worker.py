@@ -138,7 +138,7 @@ def _runners(kind: str, world: runtime.World) -> dict[str, tuple[Runner | None, 
 
 
 def main(kind: str) -> None:
-    world = runtime.start(with_horovod=False)
+    world = runtime.start(with_horovod=False, horovod_later=True)
     import tensorflow as tf
 
     runners = _runners(kind, world)

@@ -36,7 +36,8 @@ from ringtrain.bench.common import (
     settings_in_force,
 )
 from ringtrain.bench.strategies import BATCH, LR, SEED, workload
-from ringtrain.data import shard
+from ringtrain.data import Dataset, shard
+from ringtrain.models import ModelSpec
 
 Runner = Callable[[int], float]  # steps -> seconds they took
 
@@ -86,24 +87,31 @@ def make_strategy(role: str, implementation: str) -> tf.distribute.Strategy:
     return tf.distribute.ParameterServerStrategy(resolver)
 
 
-def make_runner(role: str, strategy: tf.distribute.Strategy) -> Runner:
-    """steps -> seconds, after one untimed step (which also lines the workers up)."""
-    data, spec = workload()
+def replica_step(strategy: tf.distribute.Strategy, spec: ModelSpec, batch: int):
+    """The per-replica SGD step of `spec`'s network, built in the strategy's scope as its
+    guide does, with the loss averaged over the global `batch`."""
     with strategy.scope():
-        model = keras.Sequential([keras.Input(data.input_shape), *[f() for f in spec.factories]])
+        model = keras.Sequential([keras.Input(spec.input_shape), *[f() for f in spec.factories]])
         optimizer = keras.optimizers.SGD(learning_rate=LR)
 
     def step_fn(x, y):
         with tf.GradientTape() as tape:
             logits = model(x, training=True)
             per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
-            loss = tf.nn.compute_average_loss(per_example, global_batch_size=BATCH)
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=batch)
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
         return loss
 
+    return step_fn
+
+
+def make_runner(role: str, strategy: tf.distribute.Strategy) -> Runner:
+    """steps -> seconds, after one untimed step (which also lines the workers up)."""
+    data, spec = workload()
+    step_fn = replica_step(strategy, spec, BATCH)
     if role == "mwms-tuned":
-        return _numpy_fed(strategy, step_fn, data)
+        return numpy_fed(strategy, step_fn, data, BATCH)
 
     def dataset_fn(context):
         options = tf.data.Options()
@@ -152,7 +160,7 @@ def make_runner(role: str, strategy: tf.distribute.Strategy) -> Runner:
     return run
 
 
-def _numpy_fed(strategy: tf.distribute.Strategy, step_fn, data) -> Runner:
+def numpy_fed(strategy: tf.distribute.Strategy, step_fn, data: Dataset, batch: int) -> Runner:
     """MWMS tuned: this worker's slice of each global batch, as numpy, into one tf.function
     per step that returns the worker's own loss; the job's loss of every step comes from one
     SUM across workers when the losses are read, at the end of the timed steps."""
@@ -170,7 +178,7 @@ def _numpy_fed(strategy: tf.distribute.Strategy, step_fn, data) -> Runner:
 
     def run(steps: int) -> float:
         batches = [
-            shard(b, worker, workers) for b in batch_stream(len(data.x), steps + 1, BATCH, SEED)
+            shard(b, worker, workers) for b in batch_stream(len(data.x), steps + 1, batch, SEED)
         ]
         float(job_losses(tf.stack([train_step(data.x[batches[0]], data.y[batches[0]])]))[0])
         start = time.perf_counter()

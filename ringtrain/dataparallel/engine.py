@@ -4,6 +4,8 @@ Horovod when there is more than one replica, in one fused allreduce after the ba
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from ringtrain.checkpoint import Checkpointable
@@ -44,12 +46,12 @@ class DataParallelEngine(Checkpointable):
         collective of its own to agree on stopping; every rank sees the same averaged loss, so
         all judge its finiteness alike. `timed` also returns when the backward ended and when
         each bucket's average arrived (seconds since the step began): the overlap trace."""
-        began = tf.timestamp()
+        began = [_clock([x])] if timed else []
         slices = self.cfg.accumulate
         grads = [tf.zeros_like(v) for v in self.variables]
         loss = tf.constant(0.0)
         for i in range(slices):
-            with tf.control_dependencies([began]), tf.GradientTape() as tape:
+            with tf.control_dependencies(began), tf.GradientTape() as tape:
                 part = loss_fn(y[i], forward(self.elements, x[i])) / slices
             grads = [g + d for g, d in zip(grads, tape.gradient(part, self.variables), strict=True)]
             loss += part
@@ -71,7 +73,7 @@ class DataParallelEngine(Checkpointable):
         self.optimizer.apply_gradients(zip(grads, self.variables, strict=True))
         if not timed:
             return loss, stop
-        return loss, stop, tf.stack([_seconds_since(began, after) for after in [raw, *arrived]])
+        return loss, stop, tf.stack([_clock(after) - began[0] for after in [raw, *arrived]])
 
     def set_learning_rate(self, lr: float) -> None:
         if lr != self._lr:  # an assign is an eager op: skip it while the schedule holds still
@@ -127,6 +129,11 @@ class DataParallelEngine(Checkpointable):
         return {}
 
 
-def _seconds_since(began: tf.Tensor, after: list) -> tf.Tensor:
-    with tf.control_dependencies(after):
-        return tf.timestamp() - began
+def _clock(after: list) -> tf.Tensor:
+    """Seconds on the host clock once every tensor in `after` exists. tf.timestamp is stateful,
+    and tf.function runs stateful ops in program order, so timestamps taken after the backward
+    and after each bucket would wait for one another (and every bucket would seem to arrive
+    after the backward ended). A stateless host call is ordered only by its inputs."""
+    return tf.numpy_function(
+        lambda *_: np.float64(time.perf_counter()), after, tf.float64, stateful=False
+    )
