@@ -7,11 +7,15 @@ importing TensorFlow.
 import os
 from importlib import import_module
 
+from ringtrain import quiet
+
 # TensorFlow writes start-up notices (CPU features, oneDNN, absl's "All log messages before
 # absl::InitializeLog()" line) to stderr as it loads, in every rank. Every ringtrain module
-# that loads TensorFlow is imported after this line, so ringtrain's processes start quiet.
+# that loads TensorFlow is imported after these lines, so ringtrain's processes start quiet:
+# the level stops what TensorFlow filters itself, and `quiet` holds back what it does not.
 # A level you set yourself wins.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+quiet.install()
 
 _EXPORTS = {
     "TrainConfig": "ringtrain.config",

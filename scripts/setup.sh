@@ -92,11 +92,15 @@ if [[ ! -f $src_stamp || setup.cfg -nt $src_stamp || pyproject.toml -nt $src_sta
   touch "$src_stamp"
 fi
 
-# horovodrun imports TensorFlow itself (its build check) before it starts any rank; ringtrain
-# quiets its own ranks, but only the shell's environment quiets that import. The activated
-# venv carries the setting, and a value the user exports wins.
+# horovodrun imports TensorFlow itself (its build check) before it starts any rank, in a
+# process ringtrain never runs in. TensorFlow's import-time notices ignore the log level, so
+# every Python in the venv loads ringtrain.quiet at start-up (a .pth line), which holds them
+# back; the activated venv carries the level, and a value the user exports wins.
 activate_line='export TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-3}  # ringtrain'
 grep -qxF "$activate_line" "$VENV/bin/activate" || echo "$activate_line" >>"$VENV/bin/activate"
+site_packages=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+echo 'import importlib.util; importlib.util.find_spec("ringtrain") and __import__("ringtrain.quiet")' \
+  >"$site_packages/ringtrain-quiet.pth"
 
 # --- verify -------------------------------------------------------------------------------
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 TF_CPP_MIN_LOG_LEVEL=3

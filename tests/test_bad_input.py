@@ -405,7 +405,8 @@ def test_a_diverging_loss_stops_every_rank_and_the_last_good_checkpoint_stays_la
         *["--strategy", strategy, "--optimizer", "sgd", "--lr", "1e30", "--steps", "8"],
         *["--checkpoint-dir", str(folder), "--checkpoint-every", "1"],
     )
-    said_once(done, EXIT_NON_FINITE, "the loss became non-finite (nan) at step ")
+    # The loss or, on CPUs whose kernels round differently, the weights go first.
+    said_once(done, EXIT_NON_FINITE, "became non-finite")
     step = int(re.search(r"at step (\d+);", done.stderr).group(1))
     assert f"no checkpoint was written for it (the newest is from step {step - 1})" in done.stderr
     newest = latest(str(folder))
@@ -429,7 +430,7 @@ def test_a_diverging_loss_stops_model_fit_too():
         *["train", "--strategy", "single", "--loop", "fit", "--optimizer", "sgd"],
         *["--lr", "1e30", "--steps", "8"],
     )
-    said_once(done, EXIT_NON_FINITE, "the loss became non-finite (nan) at step ")
+    said_once(done, EXIT_NON_FINITE, "became non-finite")
 
 
 # ---- the aborts ---------------------------------------------------------------------------

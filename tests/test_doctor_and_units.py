@@ -7,6 +7,7 @@ import subprocess
 import pytest
 from conftest import BIN, ENV, ROOT
 
+from ringtrain import quiet
 from ringtrain.config import TrainConfig, validate
 from ringtrain.errors import UserError
 from ringtrain.pipeline import partition
@@ -86,3 +87,18 @@ def test_learning_rate_scales_by_replicas_after_a_linear_warmup():
     assert learning_rate(scaled, 0.0, 4) == pytest.approx(0.1)
     assert learning_rate(scaled, 1.0, 4) == pytest.approx(0.25)
     assert learning_rate(scaled, 3.0, 4) == pytest.approx(0.4)
+
+
+def test_quiet_holds_back_only_absl_notices_below_the_level():
+    notices = (
+        b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n"
+        b"I0000 00:00:1796149691.797099    5957 port.cc:153] oneDNN custom operations are on.\n"
+        b"W0000 00:00:1796149691.800000    5957 x.cc:9] a warning\n"
+        b"E1130 12:00:00.000000  123 y.cc:45] an error\n"
+        b"a line of one's own\n"
+    )
+    assert quiet.kept(notices, 0) == notices
+    assert quiet.kept(notices, 2) == (
+        b"E1130 12:00:00.000000  123 y.cc:45] an error\na line of one's own\n"
+    )
+    assert quiet.kept(notices, 3) == b"a line of one's own\n"
