@@ -320,6 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     from ringtrain.doctor import add_doctor_arguments
     from ringtrain.launch import launch_cli
     from ringtrain.pipeline import schedule_cli
+    from ringtrain.plan import cli as plan_cli
 
     parser = OneLineParser(prog=PROG, description="Distributed training of Keras models on MPI.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
@@ -359,6 +360,12 @@ def build_parser() -> argparse.ArgumentParser:
             "benchmarks: pipeline, strategies, allreduce (JSON and PNG in benchmarks/results)",
             bench.add_bench_arguments,
             bench.run_bench_command,
+        ),
+        (
+            "plan",
+            "rank strategies and grids by predicted step time and memory (calibrate: measure)",
+            plan_cli.add_plan_arguments,
+            plan_cli.run_plan_command,
         ),
         (
             "cluster",

@@ -284,7 +284,7 @@ class PipelineEngine(Checkpointable):
                 if method == "params":
                     costs[i] = sum(int(np.prod(v.shape)) for v in element.trainable_weights)
                 else:
-                    seconds = _time_element(element, (self.mb_size, *self.shapes[i]))
+                    seconds = time_element(element, (self.mb_size, *self.shapes[i]))
                     self.element_seconds.append(seconds)
                     costs[i] = seconds["F"] + seconds["B"]
         if method == "time":
@@ -592,7 +592,7 @@ class PipelineEngine(Checkpointable):
         }
 
 
-def _time_element(element, input_shape: tuple[int, ...], repeats: int = 3) -> dict[str, float]:
+def time_element(element, input_shape: tuple[int, ...], repeats: int = 3) -> dict[str, float]:
     """Median seconds of an element's F, B, BI and BW on a microbatch-sized input, run the way
     the executor runs a stage: a compiled forward under an eager tape, gradients from the tape
     (B: weights and input; BI: the input only; BW: the weights only)."""

@@ -1,0 +1,246 @@
+"""`ringtrain plan` and `ringtrain plan calibrate`: the strategy table, from a calibration.
+
+`calibrate` starts two 2-rank launches of plan/measure.py: one on this node (compute, and the
+links inside a node) and, with --hosts, one across two nodes (the links between them). It
+writes one JSON file with a fingerprint of the machine. `plan` reads that file, refuses one from
+another machine or model in one line (unless --force), and prints every candidate the cost
+model predicts, fastest fitting one first, with the command line that runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+from ringtrain.config import MODELS, OPTIMIZERS
+from ringtrain.errors import UserError
+from ringtrain.pipeline.costs import LinkModel
+from ringtrain.plan.costmodel import (
+    FORMAT,
+    Calibration,
+    ElementCost,
+    Prediction,
+    plan,
+)
+
+FINGERPRINT_KEYS = ("cpu_model", "cpus", "tensorflow", "horovod")
+SIZE = re.compile(r"^(\d+(?:\.\d+)?)([KMGT]?)(i?B)?$", re.IGNORECASE)
+
+
+def _bytes(text: str) -> int:
+    """BYTES, or a number with K, M, G or T (powers of 1024)."""
+    found = SIZE.match(text.strip())
+    if not found:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 2G or 512M)")
+    scale = 1024 ** " KMGT".index(found.group(2).upper() or " ")
+    value = int(float(found.group(1)) * scale)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"a rank's memory must be above zero, got {text!r}")
+    return value
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"want a whole number >= 1, got {text!r}")
+    return int(text)
+
+
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", nargs="?", choices=["calibrate"], help="measure instead of plan")
+    p.add_argument("--model", default="mlp", choices=MODELS)
+    p.add_argument("--dataset", default="digits", help="digits, synthetic or npz:PATH")
+    p.add_argument("--optimizer", default="adam", choices=OPTIMIZERS)
+    p.add_argument("--batch-size", type=_positive, default=64, help="the global batch")
+    p.add_argument("--nodes", type=_positive, default=1)
+    p.add_argument("--ranks-per-node", type=_positive, default=2)
+    p.add_argument("--memory-per-rank", type=_bytes, help="bytes a rank may hold (e.g. 2G)")
+    p.add_argument("--grid", help="only the grid DxP (D replicas of P stages)")
+    p.add_argument("--calibration", default="calibration.json", help="the calibration file")
+    p.add_argument("--force", action="store_true", help="accept another machine's calibration")
+    p.add_argument("--json", action="store_true", help="the table as JSON")
+    p.add_argument("--hosts", help="calibrate: two hosts a,b for the across-node links")
+
+
+def run_plan_command(args: argparse.Namespace) -> int:
+    if args.action == "calibrate":
+        return _calibrate(args)
+    cal = load_calibration(args.calibration, args.model, args.dataset, args.force)
+    grid = _grid(args.grid, args.nodes * args.ranks_per_node)
+    table = plan(cal, args.nodes, args.ranks_per_node, args.batch_size, args.memory_per_rank)
+    if grid:
+        table = [p for p in table if (p.candidate.replicas, p.candidate.stages) == grid]
+    if not table:
+        raise UserError(f"no configuration divides the global batch {args.batch_size}")
+    best = next((p for p in table if p.fits and not p.candidate.fp16_allreduce), None)
+    command = _command(args, best) if best else None
+    if args.json:
+        rows = [p.to_json() for p in table]
+        print(json.dumps({"candidates": rows, "recommended": command}, indent=1))
+    else:
+        _print_table(table)
+        if command is None:
+            raise UserError(f"nothing fits in {args.memory_per_rank} bytes per rank")
+        print(f"recommended: {command}")
+    return 0
+
+
+def _grid(text: str | None, ranks: int) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    found = re.fullmatch(r"(\d+)x(\d+)", text)
+    if not found or min(int(found.group(1)), int(found.group(2))) < 1:
+        raise UserError(f"--grid wants DxP like 2x2, got {text!r}")
+    d, p = int(found.group(1)), int(found.group(2))
+    if d * p != ranks:
+        raise UserError(
+            f"grid {d}x{p} needs {d * p} ranks, but --nodes x --ranks-per-node gives {ranks}"
+        )
+    return d, p
+
+
+def _command(args: argparse.Namespace, best: Prediction) -> str:
+    ranks = args.nodes * args.ranks_per_node
+    flags = [
+        *["--model", args.model, "--dataset", args.dataset, "--optimizer", args.optimizer],
+        *["--batch-size", str(args.batch_size), *best.candidate.flags()],
+    ]
+    return f"mpirun -np {ranks} ringtrain train {' '.join(flags)}"
+
+
+def _print_table(table: list[Prediction]) -> None:
+    head = f"{'configuration':34} {'step ms':>8} {'samples/s':>10} {'compute':>8} "
+    print(head + f"{'comm':>8} {'bubble':>7} {'peak MiB':>9}  fits")
+    for p in table:
+        print(
+            f"{p.candidate.label():34} {p.step_seconds * 1e3:8.2f} {p.samples_per_second:10.0f} "
+            f"{p.compute_seconds * 1e3:8.2f} {p.exposed_comm_seconds * 1e3:8.2f} "
+            f"{p.bubble:7.2f} {p.peak_bytes / 2**20:9.1f}  {'yes' if p.fits else 'no'}"
+        )
+
+
+# ---- the calibration file -------------------------------------------------------------------
+
+
+def fingerprint() -> dict:
+    from ringtrain.bench.common import machine_facts
+
+    facts = machine_facts()
+    return {key: facts[key] for key in FINGERPRINT_KEYS}
+
+
+def load_calibration(path: str, model: str, dataset: str, force: bool = False) -> Calibration:
+    """Read and check a calibration file; one-line UserError for each way it can be wrong."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise UserError(
+            f"{path}: no calibration file; run `ringtrain plan calibrate` first"
+        ) from None
+    except (OSError, ValueError) as err:
+        raise UserError(f"{path}: unreadable calibration ({err.__class__.__name__})") from None
+    try:
+        cal = _from_json(doc)
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise UserError(f"{path}: damaged calibration (bad or missing {err})") from None
+    if (cal.model, cal.dataset) != (model, dataset):
+        raise UserError(
+            f"{path}: calibrated for model {cal.model!r} on {cal.dataset!r}, "
+            f"not {model!r} on {dataset!r}"
+        )
+    here = fingerprint()
+    differ = [k for k in FINGERPRINT_KEYS if cal.fingerprint.get(k) != here[k]]
+    if differ and not force:
+        k = differ[0]
+        raise UserError(
+            f"{path}: calibrated on another machine ({k} {cal.fingerprint.get(k)!r}, "
+            f"here {here[k]!r}); recalibrate or pass --force"
+        )
+    return cal
+
+
+def _from_json(doc: dict) -> Calibration:
+    if doc.get("format") != FORMAT:
+        raise ValueError("format")
+    elements = [
+        ElementCost(
+            {op: (float(a), float(b)) for op, (a, b) in e["seconds"].items()},
+            int(e["params"]),
+            int(e["input_floats"]),
+            int(e["output_floats"]),
+        )
+        for e in doc["elements"]
+    ]
+    if not elements:
+        raise ValueError("elements")
+
+    def links(table: dict) -> dict[str, LinkModel]:
+        return {
+            k: LinkModel(float(v["latency_s"]), float(v["bytes_per_second"]))
+            for k, v in table.items()
+        }
+
+    return Calibration(
+        str(doc["model"]),
+        str(doc["dataset"]),
+        str(doc["optimizer"]),
+        elements,
+        links(doc["allreduce"]),
+        links(doc["p2p"]),
+        int(doc["baseline_bytes"]),
+        tuple(float(v) for v in doc["step_seconds"]),
+        dict(doc["fingerprint"]),
+    )
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from ringtrain.bench.common import RunFailed, host_flags, mpi_env, mpirun_command, run_bounded
+
+    common = ["--model", args.model, "--dataset", args.dataset, "--optimizer", args.optimizer]
+    common += ["--batch-size", str(args.batch_size)]
+    launches = [("intra", [], ["--compute"])]
+    if args.hosts:
+        try:
+            launches.append(("inter", host_flags(args.hosts), []))
+        except argparse.ArgumentTypeError as err:
+            raise UserError(str(err)) from None
+    found: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="ringtrain-calibrate-") as tmp:
+        for where, placement, extra in launches:
+            out = Path(tmp) / f"{where}.json"
+            cmd = mpirun_command(2, "ringtrain.plan.measure", *common, *extra, "--out", str(out))
+            cmd[1:1] = placement
+            print(f"calibrating {where}-node figures ...", flush=True)
+            try:
+                run_bounded(cmd, mpi_env(1), 300.0, Path(tmp) / f"{where}.log")
+            except RunFailed as err:
+                raise UserError(f"calibration {where} node failed: {err}") from None
+            found[where] = json.loads(out.read_text())
+    if args.hosts and len(set(found["inter"]["hosts"])) < 2:
+        raise UserError(f"--hosts {args.hosts}: both ranks ran on {found['inter']['hosts'][0]}")
+    links = {
+        "allreduce": {k: v["allreduce"] for k, v in found.items()},
+        "p2p": {k: v["p2p"] for k, v in found.items()},
+    }
+    stamp = {
+        **fingerprint(),
+        "link_bytes_per_second": {k: v["p2p"]["bytes_per_second"] for k, v in found.items()},
+    }
+    doc = {
+        "format": FORMAT,
+        "model": args.model,
+        "dataset": args.dataset,
+        "optimizer": args.optimizer,
+        "batch_size": args.batch_size,
+        "fingerprint": stamp,
+        "elements": found["intra"]["elements"],
+        "step_seconds": found["intra"]["step_seconds"],
+        "baseline_bytes": found["intra"]["baseline_bytes"],
+        **links,
+    }
+    Path(args.calibration).write_text(json.dumps(doc, indent=1))
+    print(f"wrote {args.calibration}", file=sys.stdout)
+    return 0

@@ -1,0 +1,243 @@
+"""The cost model behind `ringtrain plan`: a step's time and a rank's memory from a calibration.
+
+Pure Python (neither TensorFlow nor MPI), so it is unit-tested in milliseconds on synthetic
+calibrations with known answers. The pieces are the ones the rest of ringtrain predicts with:
+
+- compute: each element's F, B, BI and BW seconds (pipelines), and a whole-model compiled
+  step's (data parallel), fitted as fixed + per_sample x samples (two batch sizes measured by
+  `plan calibrate`);
+- data parallel: the no-overlap roofline, compute + ring allreduce of the gradient bytes, which
+  is how ringtrain's default step runs (one grouped allreduce after the backward); the same
+  function gives the bench's limits (`roofline`);
+- pipelines: the schedule replayed by the pipeline simulator with measured costs
+  (pipeline.costs.predict), the replica average of a hybrid grid added after it;
+- memory per rank: weights, gradients and optimizer state of the rank's elements, plus
+  activations: every element's input and output for each microbatch in flight at the peak the
+  schedule reaches (the saved tapes hold at least those), plus the process's own baseline.
+
+A ring allreduce over D ranks moves 2(D-1)/D of the bytes through each link in 2(D-1) steps.
+Calibration times it at D = 2 as latency + bytes / rate, so each of the steps costs latency/2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ringtrain.errors import UserError
+from ringtrain.pipeline.costs import LinkModel, predict
+from ringtrain.pipeline.partition import balanced
+from ringtrain.pipeline.schedule import build_schedule
+
+FORMAT = "ringtrain-calibration/1"
+FLOAT_BYTES = 4
+OPTIMIZER_SLOTS = {"sgd": 0, "adam": 2}  # float slots per weight (Adam: two moments)
+COMPUTE_OPS = ("F", "B", "BI", "BW")
+SCHEDULE_KINDS = ("gpipe", "1f1b", "zb-h1")
+
+
+@dataclass(frozen=True)
+class ElementCost:
+    """One element (layer) of the model, as calibrated."""
+
+    seconds: dict[str, tuple[float, float]]  # op -> (fixed s, s per sample)
+    params: int
+    input_floats: int  # per sample
+    output_floats: int  # per sample
+
+    def time(self, op: str, samples: float) -> float:
+        fixed, per_sample = self.seconds[op]
+        return max(fixed + per_sample * samples, 0.0)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    model: str
+    dataset: str
+    optimizer: str
+    elements: list[ElementCost]
+    allreduce: dict[str, LinkModel]  # "intra" (same node) and, if measured, "inter"
+    p2p: dict[str, LinkModel]
+    baseline_bytes: int  # a rank's resident set once TensorFlow, MPI and Horovod are loaded
+    step_seconds: tuple[float, float]  # a whole-model compiled step: (fixed s, s per sample)
+    fingerprint: dict = field(default_factory=dict)
+
+    def step_compute(self, samples: float) -> float:
+        fixed, per_sample = self.step_seconds
+        return max(fixed + per_sample * samples, 0.0)
+
+    def link(self, table: dict[str, LinkModel], across_nodes: bool) -> LinkModel:
+        if across_nodes and "inter" not in table:
+            raise UserError(
+                "the calibration has no across-node figures: run `ringtrain plan calibrate` "
+                "on two nodes (--hosts or a Slurm allocation)"
+            )
+        return table["inter" if across_nodes else "intra"]
+
+
+def allreduce_seconds(link: LinkModel, ranks: int, nbytes: int) -> float:
+    """Ring allreduce of nbytes over `ranks` ranks (0 for one rank)."""
+    if ranks < 2:
+        return 0.0
+    steps = 2 * (ranks - 1)
+    return steps * link.latency / 2 + steps / ranks * nbytes / link.bytes_per_second
+
+
+def roofline(compute: float, allreduce: float) -> tuple[float, float]:
+    """No-overlap (compute then allreduce) and full-overlap (the larger of the two) limits."""
+    return compute + allreduce, max(compute, allreduce)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A configuration to predict: D replicas of a P-stage pipeline (P = 1: data parallel)."""
+
+    replicas: int
+    stages: int
+    schedule: str | None = None  # None for data parallel
+    microbatches: int = 1
+    fp16_allreduce: bool = False
+
+    @property
+    def strategy(self) -> str:
+        if self.stages == 1:
+            return "data" if self.replicas > 1 else "single"
+        return "pipeline" if self.replicas == 1 else "hybrid"
+
+    def flags(self) -> list[str]:
+        """ringtrain train's flags for this configuration."""
+        out = ["--strategy", self.strategy]
+        if self.strategy == "hybrid":
+            out += ["--pp-size", str(self.stages)]
+        if self.schedule:
+            out += ["--schedule", self.schedule, "--microbatches", str(self.microbatches)]
+        if self.fp16_allreduce:
+            out.append("--fp16-allreduce")
+        return out
+
+    def label(self) -> str:
+        name = self.strategy
+        if self.schedule:
+            name += f" {self.schedule} M={self.microbatches}"
+        if self.strategy == "hybrid":
+            name = f"hybrid {self.replicas}x{self.stages} {self.schedule} M={self.microbatches}"
+        return name + (" fp16 (lossy)" if self.fp16_allreduce else "")
+
+
+@dataclass
+class Prediction:
+    candidate: Candidate
+    step_seconds: float
+    compute_seconds: float
+    exposed_comm_seconds: float
+    bubble: float
+    peak_bytes: int
+    samples_per_second: float
+    fits: bool = True
+
+    def to_json(self) -> dict:
+        return {
+            "configuration": self.candidate.label(),
+            "flags": self.candidate.flags(),
+            "replicas": self.candidate.replicas,
+            "stages": self.candidate.stages,
+            "step_ms": self.step_seconds * 1e3,
+            "samples_per_sec": self.samples_per_second,
+            "compute_ms": self.compute_seconds * 1e3,
+            "exposed_comm_ms": self.exposed_comm_seconds * 1e3,
+            "bubble": self.bubble,
+            "peak_memory_bytes": self.peak_bytes,
+            "fits": self.fits,
+        }
+
+
+def _weights_bytes(cal: Calibration, elements: range, fp16: bool) -> tuple[int, int]:
+    """(bytes of weights + gradients + optimizer state, bytes one gradient allreduce moves)."""
+    params = sum(cal.elements[i].params for i in elements)
+    slots = OPTIMIZER_SLOTS.get(cal.optimizer, 2)
+    return params * FLOAT_BYTES * (2 + slots), params * (2 if fp16 else FLOAT_BYTES)
+
+
+def _activation_bytes(cal: Calibration, elements: range, samples: float) -> int:
+    per_sample = sum(cal.elements[i].input_floats + cal.elements[i].output_floats for i in elements)
+    return int(per_sample * FLOAT_BYTES * samples)
+
+
+def predict_data_parallel(cal: Calibration, ranks: int, nodes: int, batch: int, fp16: bool):
+    """Data parallel over `ranks` ranks on `nodes` nodes at a global batch."""
+    per_rank = batch / ranks
+    everything = range(len(cal.elements))
+    compute = cal.step_compute(per_rank)
+    state, grad_bytes = _weights_bytes(cal, everything, fp16)
+    comm = allreduce_seconds(cal.link(cal.allreduce, nodes > 1), ranks, grad_bytes)
+    step, _ = roofline(compute, comm)
+    peak = cal.baseline_bytes + state + _activation_bytes(cal, everything, per_rank)
+    candidate = Candidate(ranks, 1, fp16_allreduce=fp16)
+    return Prediction(candidate, step, compute, comm, 0.0, peak, batch / step)
+
+
+def predict_pipeline(cal: Calibration, candidate: Candidate, nodes: int, batch: int):
+    """D replicas of a P-stage pipeline: the simulator's makespan, then the replica average."""
+    stages, replicas = candidate.stages, candidate.replicas
+    microbatch = batch / replicas / candidate.microbatches
+    elements = cal.elements
+    bounds = balanced([e.time("F", microbatch) + e.time("B", microbatch) for e in elements], stages)
+    seconds = {
+        (s, op): sum(elements[i].time(op, microbatch) for i in range(a, b))
+        for s, (a, b) in enumerate(bounds)
+        for op in COMPUTE_OPS
+    }
+    boundary = [int(elements[b - 1].output_floats * FLOAT_BYTES * microbatch) for _, b in bounds]
+    ranks_per_node = replicas * stages // nodes
+    pipeline_spans_nodes = stages > ranks_per_node
+    link = cal.link(cal.p2p, pipeline_spans_nodes)
+    schedule = build_schedule(candidate.schedule, stages, candidate.microbatches)
+    sim = predict(schedule, seconds, link, boundary)
+    average, peak = 0.0, 0
+    for s, (a, b) in enumerate(bounds):
+        state, grad_bytes = _weights_bytes(cal, range(a, b), candidate.fp16_allreduce)
+        replica_link = cal.link(cal.allreduce, replicas > 1 and nodes > 1)
+        average = max(average, allreduce_seconds(replica_link, replicas, grad_bytes))
+        held = sim.peak_inflight[s] * _activation_bytes(cal, range(a, b), microbatch)
+        peak = max(peak, cal.baseline_bytes + state + held)
+    compute = max(sim.busy)
+    step = sim.makespan + average
+    exposed = max(step - compute - sim.bubble * sim.makespan, 0.0)
+    return Prediction(candidate, step, compute, exposed, sim.bubble, peak, batch / step)
+
+
+def candidates(ranks: int, elements: int, microbatch_counts: list[int]) -> list[Candidate]:
+    """Data parallel (with and without fp16), and every grid D x P with P <= elements, with
+    each pipeline schedule and M."""
+    found = [Candidate(ranks, 1)]
+    if ranks > 1:
+        found.append(Candidate(ranks, 1, fp16_allreduce=True))
+    for stages in range(2, min(ranks, elements) + 1):
+        if ranks % stages:
+            continue
+        for kind in SCHEDULE_KINDS:
+            for m in microbatch_counts:
+                found.append(Candidate(ranks // stages, stages, kind, m))
+    return found
+
+
+def plan(
+    cal: Calibration,
+    nodes: int,
+    ranks_per_node: int,
+    batch: int,
+    memory_per_rank: int | None = None,
+    microbatch_counts: tuple[int, ...] = (2, 4, 8),
+) -> list[Prediction]:
+    """Every candidate that divides the batch, predicted, fastest fitting one first."""
+    ranks = nodes * ranks_per_node
+    found = []
+    for c in candidates(ranks, len(cal.elements), list(microbatch_counts)):
+        if batch % (c.replicas * c.microbatches):
+            continue
+        if c.stages == 1:
+            p = predict_data_parallel(cal, ranks, nodes, batch, c.fp16_allreduce)
+        else:
+            p = predict_pipeline(cal, c, nodes, batch)
+        p.fits = memory_per_rank is None or p.peak_bytes <= memory_per_rank
+        found.append(p)
+    return sorted(found, key=lambda p: (not p.fits, p.candidate.fp16_allreduce, p.step_seconds))

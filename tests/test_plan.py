@@ -1,0 +1,177 @@
+"""`ringtrain plan`: the cost model on synthetic calibrations with known answers (milliseconds),
+its bad inputs in one line each, and one calibration checked against the clock."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import one_line_error, ringtrain
+
+from ringtrain.pipeline.costs import FREE_LINK, LinkModel
+from ringtrain.plan import costmodel
+from ringtrain.plan.cli import fingerprint
+from ringtrain.plan.costmodel import Calibration, Candidate, ElementCost
+
+MS = 1e-3
+
+
+def synthetic(
+    params: int = 1000,
+    per_sample: float = 0.1 * MS,
+    link: LinkModel = FREE_LINK,
+    elements: int = 4,
+) -> Calibration:
+    """Elements that cost F = B = per_sample a sample (BI = BW = half of B), no fixed cost, each
+    with `params` weights and 10 floats in and out per sample."""
+    half = per_sample / 2
+    seconds = {"F": (0.0, per_sample), "B": (0.0, per_sample), "BI": (0.0, half), "BW": (0.0, half)}
+    return Calibration(
+        model="mlp",
+        dataset="digits",
+        optimizer="sgd",
+        elements=[ElementCost(seconds, params, 10, 10) for _ in range(elements)],
+        allreduce={"intra": link, "inter": link},
+        p2p={"intra": link, "inter": link},
+        baseline_bytes=1000,
+        step_seconds=(0.0, 2 * elements * per_sample),
+    )
+
+
+def test_ring_allreduce_time_follows_the_textbook_formula():
+    link = LinkModel(latency=2 * MS, bytes_per_second=1e9)
+    assert costmodel.allreduce_seconds(link, 1, 10**9) == 0.0
+    assert costmodel.allreduce_seconds(link, 2, 10**6) == pytest.approx(link.time(10**6))
+    # 4 ranks: 6 steps of latency / 2, and 2 * 3/4 of the bytes through each link
+    assert costmodel.allreduce_seconds(link, 4, 10**6) == pytest.approx(6 * MS + 1.5 * MS)
+
+
+def test_data_parallel_is_compute_plus_the_allreduce_and_state_is_counted():
+    cal = synthetic(params=250_000, link=LinkModel(0.0, 1e9))  # 4 MB of gradients
+    p = costmodel.predict_data_parallel(cal, ranks=2, nodes=1, batch=64, fp16=False)
+    assert p.compute_seconds == pytest.approx(32 * 8 * 0.1 * MS)
+    assert p.exposed_comm_seconds == pytest.approx(4e6 / 1e9)
+    assert p.step_seconds == pytest.approx(p.compute_seconds + p.exposed_comm_seconds)
+    assert p.samples_per_second == pytest.approx(64 / p.step_seconds)
+    # weights + gradients (SGD: no slots) of 4 elements, each element's 20 floats for 32 samples
+    assert p.peak_bytes == 1000 + 4 * 250_000 * 4 * 2 + 4 * 20 * 4 * 32
+    fp16 = costmodel.predict_data_parallel(cal, ranks=2, nodes=1, batch=64, fp16=True)
+    assert fp16.exposed_comm_seconds == pytest.approx(2e6 / 1e9)
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+def test_a_balanced_pipeline_on_a_free_link_has_the_textbook_bubble(kind):
+    cal = synthetic()
+    p = costmodel.predict_pipeline(cal, Candidate(1, 2, kind, 4), nodes=1, batch=64)
+    stage_f = 2 * 0.1 * MS * 16  # two elements, a microbatch of 16
+    assert p.bubble == pytest.approx(1 / 5)
+    assert p.step_seconds == pytest.approx(5 * 2 * stage_f)  # (M + P - 1) x (F + B)
+    assert p.exposed_comm_seconds == pytest.approx(0.0, abs=1e-12)
+
+
+def test_zero_bubble_idles_less_than_1f1b_at_the_same_p_and_m():
+    cal = synthetic()
+    one_f_one_b = costmodel.predict_pipeline(cal, Candidate(1, 4, "1f1b", 8), 1, 64)
+    zb = costmodel.predict_pipeline(cal, Candidate(1, 4, "zb-h1", 8), 1, 64)
+    assert zb.bubble < one_f_one_b.bubble
+
+
+def test_the_crossover_data_parallel_on_a_fast_link_a_pipeline_on_a_slow_one():
+    heavy = 2_000_000  # 32 MB of gradients; a step's compute is 26 ms on each of 2 ranks
+    fast = synthetic(params=heavy, link=LinkModel(10e-6, 100e9))
+    slow = synthetic(params=heavy, link=LinkModel(100e-6, 25e6))
+    assert costmodel.plan(fast, 2, 1, 64)[0].candidate.strategy == "data"
+    assert costmodel.plan(slow, 2, 1, 64)[0].candidate.strategy == "pipeline"
+
+
+def test_memory_below_the_data_parallel_footprint_excludes_it_and_the_first_plan_fits():
+    cal = synthetic(params=1_000_000, link=LinkModel(0.0, 1e12))
+    everything = costmodel.plan(cal, 2, 1, 64)
+    data = next(p for p in everything if p.candidate.strategy == "data")
+    assert everything[0] is data  # the fastest on a free link
+    limited = costmodel.plan(cal, 2, 1, 64, memory_per_rank=data.peak_bytes - 1)
+    assert all(not p.fits for p in limited if p.candidate.stages == 1)
+    assert limited[0].fits and limited[0].candidate.strategy == "pipeline"
+
+
+def test_hybrid_grids_are_candidates_when_the_ranks_allow():
+    found = {(c.replicas, c.stages) for c in costmodel.candidates(4, 4, [2])}
+    assert found == {(4, 1), (2, 2), (1, 4)}
+    hybrid = costmodel.predict_pipeline(synthetic(), Candidate(2, 2, "1f1b", 2), 2, 64)
+    assert hybrid.candidate.flags() == [
+        *["--strategy", "hybrid", "--pp-size", "2", "--schedule", "1f1b", "--microbatches", "2"]
+    ]
+    assert hybrid.step_seconds > 0
+
+
+# ---- the command line -----------------------------------------------------------------------
+
+
+def _calibration_file(tmp_path: Path, **changes) -> Path:
+    cal = synthetic()
+    doc = {
+        "format": costmodel.FORMAT,
+        "model": "mlp",
+        "dataset": "digits",
+        "optimizer": "sgd",
+        "fingerprint": fingerprint(),
+        "elements": [
+            {
+                "seconds": {op: list(v) for op, v in e.seconds.items()},
+                "params": e.params,
+                "input_floats": e.input_floats,
+                "output_floats": e.output_floats,
+            }
+            for e in cal.elements
+        ],
+        "step_seconds": list(cal.step_seconds),
+        "baseline_bytes": cal.baseline_bytes,
+        "allreduce": {"intra": LinkModel(1e-4, 1e9).to_json()},
+        "p2p": {"intra": LinkModel(1e-5, 1e9).to_json()},
+        **changes,
+    }
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_plan_prints_the_table_and_one_command_and_json_gives_the_same(tmp_path):
+    path = _calibration_file(tmp_path)
+    done = ringtrain("plan", "--calibration", str(path), "--optimizer", "sgd")
+    assert done.returncode == 0, done.stderr
+    last = done.stdout.splitlines()[-1]
+    assert last.startswith("recommended: mpirun -np 2 ringtrain train --model mlp")
+    data = ringtrain("plan", "--calibration", str(path), "--optimizer", "sgd", "--json")
+    table = json.loads(data.stdout)
+    assert table["recommended"] == last.removeprefix("recommended: ")
+    assert {row["configuration"] for row in table["candidates"]} >= {"data", "pipeline 1f1b M=4"}
+
+
+@pytest.mark.parametrize(
+    "flags,changes,needle",
+    [
+        ([], {"cpu_model": "another CPU"}, "calibrated on another machine (cpu_model"),
+        (["--model", "cnn"], {}, "calibrated for model 'mlp' on 'digits', not 'cnn'"),
+        ([], {"elements": "garbage"}, "damaged calibration"),
+        ([], {"format": "something else"}, "damaged calibration"),
+        (["--grid", "2x2"], {}, "grid 2x2 needs 4 ranks, but --nodes x --ranks-per-node gives 2"),
+        (["--memory-per-rank", "0"], {}, "a rank's memory must be above zero"),
+        (["--memory-per-rank", "1K"], {}, "nothing fits in 1024 bytes per rank"),
+        (["--nodes", "2"], {}, "the calibration has no across-node figures"),
+    ],
+)
+def test_bad_plan_inputs_say_one_line(tmp_path, flags, changes, needle):
+    stamp = {**fingerprint(), **{k: v for k, v in changes.items() if k == "cpu_model"}}
+    rest = {k: v for k, v in changes.items() if k != "cpu_model"}
+    path = _calibration_file(tmp_path, fingerprint=stamp, **rest)
+    one_line_error(ringtrain("plan", "--calibration", str(path), *flags), needle)
+
+
+def test_an_unreadable_calibration_file_says_so(tmp_path):
+    path = tmp_path / "calibration.json"
+    path.write_text("{not json")
+    one_line_error(ringtrain("plan", "--calibration", str(path)), "unreadable calibration")
+    one_line_error(
+        ringtrain("plan", "--calibration", str(tmp_path / "none.json")), "no calibration file"
+    )
