@@ -16,6 +16,7 @@ from ringtrain.config import TrainConfig
 from ringtrain.data import Dataset, epoch_batches, step_plan
 from ringtrain.guard import StopSignal, Watchdog, non_finite
 from ringtrain.optim import learning_rate
+from ringtrain.runtime import resident_bytes
 
 
 class Engine(Protocol):
@@ -165,4 +166,13 @@ def run(
         "config": cfg.as_dict(),
     }
     metrics.update(engine.extra_metrics())
+    from mpi4py import MPI  # started by now (runtime.start_mpi set its thread level first)
+
+    from ringtrain.tensorflow_loader import RESIDENT_AFTER_IMPORT
+
+    peak = np.array([resident_bytes("VmHWM"), RESIDENT_AFTER_IMPORT], np.int64)
+    peak[1] = peak[0] - peak[1]
+    world.comm.Allreduce(MPI.IN_PLACE, peak, op=MPI.MAX)
+    metrics["peak_resident_bytes"] = int(peak[0])  # the fullest rank's VmHWM
+    metrics["peak_resident_above_import_bytes"] = int(peak[1])  # and the most any rank added
     return metrics

@@ -64,6 +64,18 @@ def default_cycle_time(local_size: int) -> str:
     return "0.1" if cores_per_rank >= 2 else "5"
 
 
+def resident_bytes(field: str = "VmRSS") -> int:
+    """This process's resident set (VmRSS) or its peak (VmHWM), from /proc (0 elsewhere)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def start_mpi(local_size: int):
     """MPI with MULTIPLE thread support, after the node defaults it reads; returns COMM_WORLD.
     Safe to call again: MPI starts once."""

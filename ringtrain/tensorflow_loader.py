@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import sys
 
+from ringtrain.runtime import resident_bytes
+
 
 def _load():
     hide = "sklearn" not in sys.modules and "tensorflow" not in sys.modules
@@ -24,3 +26,5 @@ def _load():
 
 
 tf = _load()
+# What a rank holds before any model: the baseline `ringtrain plan` predicts memory above.
+RESIDENT_AFTER_IMPORT = resident_bytes()

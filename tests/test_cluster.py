@@ -11,6 +11,7 @@ namespaces they created.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -312,6 +313,38 @@ def test_slurm_refuses_more_tasks_per_node_than_a_node_has_cpus(shared, tmp_path
     )
     assert done.returncode != 0
     assert "Batch job submission failed" in done.stderr, done.stderr
+
+
+# --- plan across nodes ----------------------------------------------------------------------
+
+
+def test_plan_calibrates_across_the_nodes_and_predicts_a_run_there_within_30_percent(
+    shared, tmp_path
+):
+    """`plan calibrate --hosts`, then `plan` for 2 nodes of a rank each, then the data-parallel
+    line it predicts, run across the nodes: predicted samples/s within 30% of measured."""
+    env = {**shared.env, "RINGTRAIN_NETWORK": CIDR}
+    calibration, metrics = tmp_path / "calibration.json", tmp_path / "metrics.json"
+    common = ["--calibration", str(calibration)]
+    done = run_with(env, [CLI, "plan", "calibrate", "--hosts", "node1,node2", *common], 400)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    figures = json.loads(calibration.read_text())
+    assert set(figures["p2p"]) == set(figures["allreduce"]) == {"intra", "inter"}
+    done = run_with(env, [CLI, "plan", "--nodes", "2", "--ranks-per-node", "1", *common, "--json"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    table = json.loads(done.stdout)
+    data = next(row for row in table["candidates"] if row["configuration"] == "data")
+    argv = ["mpirun", "-np", "2", "-H", "node1:1,node2:1", *NETWORK_FLAGS, CLI, "train"]
+    flags = ["--model", "mlp", "--dataset", "digits", "--optimizer", "adam", "--batch-size", "64"]
+    argv += [*flags, *data["flags"], "--steps", "40", "--progress", "none"]
+    done = run_with(env, [*argv, "--metrics-out", str(metrics)], timeout=JOB_TIMEOUT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    measured = json.loads(metrics.read_text())["samples_per_sec"]
+    print(
+        f"data parallel across 2 nodes: predicted {data['samples_per_sec']:.0f}, "
+        f"measured {measured:.0f} samples/s"
+    )
+    assert abs(data["samples_per_sec"] / measured - 1) <= 0.3, (data, measured)
 
 
 # --- doctor across hosts, and what one cluster at a time means ------------------------------

@@ -36,6 +36,7 @@ def synthetic(
         p2p={"intra": link, "inter": link},
         baseline_bytes=1000,
         step_seconds=(0.0, 2 * elements * per_sample),
+        step_peak=(0, 1.0),
     )
 
 
@@ -126,6 +127,7 @@ def _calibration_file(tmp_path: Path, **changes) -> Path:
             for e in cal.elements
         ],
         "step_seconds": list(cal.step_seconds),
+        "step_peak": list(cal.step_peak),
         "baseline_bytes": cal.baseline_bytes,
         "allreduce": {"intra": LinkModel(1e-4, 1e9).to_json()},
         "p2p": {"intra": LinkModel(1e-5, 1e9).to_json()},
@@ -175,3 +177,12 @@ def test_an_unreadable_calibration_file_says_so(tmp_path):
     one_line_error(
         ringtrain("plan", "--calibration", str(tmp_path / "none.json")), "no calibration file"
     )
+
+
+def test_the_runtime_share_of_memory_is_the_measured_step_less_the_model_own():
+    base = synthetic(params=250_000)
+    model_at_32 = 4 * 250_000 * 4 * 2 + 4 * 20 * 4 * 32
+    measured = Calibration(**{**base.__dict__, "step_peak": (model_at_32 + 5_000_000, 32.0)})
+    assert measured.runtime_bytes == 5_000_000
+    p = costmodel.predict_data_parallel(measured, ranks=4, nodes=1, batch=64, fp16=False)
+    assert p.peak_bytes == 1000 + 5_000_000 + 4 * 250_000 * 4 * 2 + 4 * 20 * 4 * 16

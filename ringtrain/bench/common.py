@@ -57,6 +57,11 @@ BENCHES = {
         "data parallelism against its roofline on three workloads, and plain Horovod",
         5,
     ),
+    "plan": (
+        "ringtrain.bench.plan_check",
+        "ringtrain plan's predictions against measured runs of every 2-rank configuration",
+        3,
+    ),
 }
 PROTOCOL = "@bench "  # marks driver replies among whatever else a rank prints on stdout
 

@@ -33,6 +33,7 @@ from ringtrain.bench.common import (
     start_session,
 )
 from ringtrain.bench.strategies import free_ports
+from ringtrain.plan.costmodel import roofline
 
 if TYPE_CHECKING:
     from ringtrain.data import Dataset
@@ -253,7 +254,7 @@ def summarise(report: dict, mwms: dict[str, dict]) -> dict:
         k: median(r["ringtrain breakdown"][k] for r in rows) for k in rows[0]["ringtrain breakdown"]
     }
     best = min(ringtrain, bucketed)
-    no_overlap, full_overlap = compute + allreduce, max(compute, allreduce)
+    no_overlap, full_overlap = roofline(compute, allreduce)
     tf_ms = {
         f"MWMS tuned, inter-op {m['inter_op']}": median(m["ms"]) for m in mwms.values() if "ms" in m
     }

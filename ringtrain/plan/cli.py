@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import tempfile
@@ -67,7 +68,11 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_plan_command(args: argparse.Namespace) -> int:
     if args.action == "calibrate":
-        return _calibrate(args)
+        calibrate(
+            args.model, args.dataset, args.optimizer, args.batch_size, args.hosts, args.calibration
+        )
+        print(f"wrote {args.calibration}")
+        return 0
     cal = load_calibration(args.calibration, args.model, args.dataset, args.force)
     grid = _grid(args.grid, args.nodes * args.ranks_per_node)
     table = plan(cal, args.nodes, args.ranks_per_node, args.batch_size, args.memory_per_rank)
@@ -192,35 +197,64 @@ def _from_json(doc: dict) -> Calibration:
         links(doc["p2p"]),
         int(doc["baseline_bytes"]),
         tuple(float(v) for v in doc["step_seconds"]),
+        (int(doc["step_peak"][0]), float(doc["step_peak"][1])),
         dict(doc["fingerprint"]),
     )
 
 
-def _calibrate(args: argparse.Namespace) -> int:
-    from ringtrain.bench.common import RunFailed, host_flags, mpi_env, mpirun_command, run_bounded
+def launch_env() -> dict[str, str]:
+    """The caller's environment as `mpirun ringtrain train` would see it (threads by ringtrain's
+    own rule), with Open MPI allowed as root and RINGTRAIN_NETWORK's interface choice: the
+    calibration and the runs it predicts start alike."""
+    from ringtrain.bench.common import QUIET, ROOT_OK
+    from ringtrain.launch.network import launcher_environment
 
-    common = ["--model", args.model, "--dataset", args.dataset, "--optimizer", args.optimizer]
-    common += ["--batch-size", str(args.batch_size)]
+    return {**os.environ, **ROOT_OK, **QUIET, **launcher_environment()}
+
+
+def two_ranks(placement: list[str], module: str, *args: str) -> list[str]:
+    """mpirun starting `python -m module args` in 2 ranks, placed by `placement` (host flags),
+    or bound as Open MPI binds 2 ranks on one node (a core each)."""
+    return [
+        "mpirun",
+        "--oversubscribe",
+        *placement,
+        "-np",
+        "2",
+        sys.executable,
+        "-m",
+        module,
+        *args,
+    ]
+
+
+def calibrate(
+    model: str, dataset: str, optimizer: str, batch: int, hosts: str | None, path: str
+) -> dict:
+    """Measure on this node (and across `hosts` a,b if given) and write the calibration."""
+    from ringtrain.bench.common import RunFailed, host_flags, run_bounded
+
+    common = ["--model", model, "--dataset", dataset, "--optimizer", optimizer]
+    common += ["--batch-size", str(batch)]
     launches = [("intra", [], ["--compute"])]
-    if args.hosts:
+    if hosts:
         try:
-            launches.append(("inter", host_flags(args.hosts), []))
+            launches.append(("inter", host_flags(hosts), []))
         except argparse.ArgumentTypeError as err:
             raise UserError(str(err)) from None
     found: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="ringtrain-calibrate-") as tmp:
         for where, placement, extra in launches:
             out = Path(tmp) / f"{where}.json"
-            cmd = mpirun_command(2, "ringtrain.plan.measure", *common, *extra, "--out", str(out))
-            cmd[1:1] = placement
+            cmd = two_ranks(placement, "ringtrain.plan.measure", *common, *extra, "--out", str(out))
             print(f"calibrating {where}-node figures ...", flush=True)
             try:
-                run_bounded(cmd, mpi_env(1), 300.0, Path(tmp) / f"{where}.log")
+                run_bounded(cmd, launch_env(), 300.0, Path(tmp) / f"{where}.log")
             except RunFailed as err:
                 raise UserError(f"calibration {where} node failed: {err}") from None
             found[where] = json.loads(out.read_text())
-    if args.hosts and len(set(found["inter"]["hosts"])) < 2:
-        raise UserError(f"--hosts {args.hosts}: both ranks ran on {found['inter']['hosts'][0]}")
+    if hosts and len(set(found["inter"]["hosts"])) < 2:
+        raise UserError(f"--hosts {hosts}: both ranks ran on {found['inter']['hosts'][0]}")
     links = {
         "allreduce": {k: v["allreduce"] for k, v in found.items()},
         "p2p": {k: v["p2p"] for k, v in found.items()},
@@ -231,16 +265,16 @@ def _calibrate(args: argparse.Namespace) -> int:
     }
     doc = {
         "format": FORMAT,
-        "model": args.model,
-        "dataset": args.dataset,
-        "optimizer": args.optimizer,
-        "batch_size": args.batch_size,
+        "model": model,
+        "dataset": dataset,
+        "optimizer": optimizer,
+        "batch_size": batch,
         "fingerprint": stamp,
         "elements": found["intra"]["elements"],
         "step_seconds": found["intra"]["step_seconds"],
         "baseline_bytes": found["intra"]["baseline_bytes"],
+        "step_peak": found["intra"]["step_peak"],
         **links,
     }
-    Path(args.calibration).write_text(json.dumps(doc, indent=1))
-    print(f"wrote {args.calibration}", file=sys.stdout)
-    return 0
+    Path(path).write_text(json.dumps(doc, indent=1))
+    return doc

@@ -13,7 +13,8 @@ calibrations with known answers. The pieces are the ones the rest of ringtrain p
   (pipeline.costs.predict), the replica average of a hybrid grid added after it;
 - memory per rank: weights, gradients and optimizer state of the rank's elements, plus
   activations: every element's input and output for each microbatch in flight at the peak the
-  schedule reaches (the saved tapes hold at least those), plus the process's own baseline.
+  schedule reaches (the saved tapes hold at least those), plus the process's baseline after
+  TensorFlow's import and the runtime's own share, both measured (Calibration.runtime_bytes).
 
 A ring allreduce over D ranks moves 2(D-1)/D of the bytes through each link in 2(D-1) steps.
 Calibration times it at D = 2 as latency + bytes / rate, so each of the steps costs latency/2.
@@ -59,7 +60,20 @@ class Calibration:
     p2p: dict[str, LinkModel]
     baseline_bytes: int  # a rank's resident set once TensorFlow, MPI and Horovod are loaded
     step_seconds: tuple[float, float]  # a whole-model compiled step: (fixed s, s per sample)
+    step_peak: tuple[int, float]  # (bytes that step added to the high-water mark, its samples)
     fingerprint: dict = field(default_factory=dict)
+
+    @property
+    def runtime_bytes(self) -> int:
+        """What a rank holds beyond weights, gradients, optimizer state and activations once it
+        has run a step (compiled graphs, kernels' scratch, Horovod's buffers): the measured
+        step's high-water mark less the model's own share at its samples."""
+        added, samples = self.step_peak
+        everything = range(len(self.elements))
+        model = _weights_bytes(self, everything, False)[0] + _activation_bytes(
+            self, everything, samples
+        )
+        return max(added - model, 0)
 
     def step_compute(self, samples: float) -> float:
         fixed, per_sample = self.step_seconds
@@ -170,7 +184,8 @@ def predict_data_parallel(cal: Calibration, ranks: int, nodes: int, batch: int, 
     state, grad_bytes = _weights_bytes(cal, everything, fp16)
     comm = allreduce_seconds(cal.link(cal.allreduce, nodes > 1), ranks, grad_bytes)
     step, _ = roofline(compute, comm)
-    peak = cal.baseline_bytes + state + _activation_bytes(cal, everything, per_rank)
+    peak = cal.baseline_bytes + cal.runtime_bytes + state
+    peak += _activation_bytes(cal, everything, per_rank)
     candidate = Candidate(ranks, 1, fp16_allreduce=fp16)
     return Prediction(candidate, step, compute, comm, 0.0, peak, batch / step)
 
@@ -198,7 +213,7 @@ def predict_pipeline(cal: Calibration, candidate: Candidate, nodes: int, batch: 
         replica_link = cal.link(cal.allreduce, replicas > 1 and nodes > 1)
         average = max(average, allreduce_seconds(replica_link, replicas, grad_bytes))
         held = sim.peak_inflight[s] * _activation_bytes(cal, range(a, b), microbatch)
-        peak = max(peak, cal.baseline_bytes + state + held)
+        peak = max(peak, cal.baseline_bytes + cal.runtime_bytes + state + held)
     compute = max(sim.busy)
     step = sim.makespan + average
     exposed = max(step - compute - sim.bubble * sim.makespan, 0.0)

@@ -7,7 +7,9 @@ element's F, B, BI and BW the way the pipeline executor runs them. Both at two s
 considers lie between), fitted as fixed + per-sample seconds. Horovod's allreduce is timed at
 several sizes up to the model's gradient bytes and fitted to latency + bytes / rate;
 point-to-point messages by the pipeline's own ping-pong (pipeline.calibrate). The resident set
-after start-up is the baseline a rank pays before the model. Rank 0 writes the JSON to --out.
+after TensorFlow's import is the baseline a rank pays before any model, and the high-water mark
+after the data-parallel step (and one allreduce of its gradients) what that step adds at half
+the batch. Rank 0 writes the JSON to --out.
 """
 
 from __future__ import annotations
@@ -24,15 +26,6 @@ import numpy as np
 ALLREDUCE_SIZES = (4 << 10, 256 << 10, 4 << 20)
 P2P_SIZES = (64, 64 << 10, 1 << 20)
 REPEATS = 8
-
-
-def resident_bytes(field: str = "VmRSS") -> int:
-    """This process's resident set (VmRSS) or its peak (VmHWM), from /proc."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def _elements(spec, batch: int, seed: int, timed: bool) -> list[dict]:
@@ -130,23 +123,28 @@ def main(argv: list[str]) -> None:
     from ringtrain.models import BUILTIN
     from ringtrain.pipeline.calibrate import ping_pong
     from ringtrain.pipeline.costs import LinkModel
-    from ringtrain.runtime import start
-    from ringtrain.tensorflow_loader import tf
+    from ringtrain.runtime import resident_bytes, start
+    from ringtrain.tensorflow_loader import RESIDENT_AFTER_IMPORT, tf
 
     world = start(with_horovod=True)
-    baseline = resident_bytes()
     data = load_dataset(args.dataset, args.seed)
     spec = BUILTIN[args.model](data.input_shape, data.n_classes)
-    elements = _elements(spec, args.batch_size, args.seed, timed=args.compute)
-    report: dict = {"hosts": world.comm.allgather(socket.gethostname()), "elements": elements}
-    report["baseline_bytes"] = baseline
-    if args.compute:
-        report["step_seconds"] = _whole_step(spec, args.optimizer, args.batch_size, args.seed, tf)
+    elements = _elements(spec, args.batch_size, args.seed, timed=False)
     params = sum(e["params"] for e in elements)
+    report: dict = {"hosts": world.comm.allgather(socket.gethostname())}
+    report["baseline_bytes"] = RESIDENT_AFTER_IMPORT
+    if args.compute:  # a data-parallel step first, so the high-water mark is its alone
+        report["step_seconds"] = _whole_step(spec, args.optimizer, args.batch_size, args.seed, tf)
+        world.hvd.allreduce(tf.zeros([params]), op=world.hvd.Sum).numpy()
+        report["step_peak"] = [
+            resident_bytes("VmHWM") - RESIDENT_AFTER_IMPORT,
+            _sample_counts(args.batch_size)[1],
+        ]
     world.comm.Barrier()
     allreduce = LinkModel.fit(_allreduce(world.hvd, tf, params * 4))
     p2p = ping_pong(Link(world.comm, timeout=60.0), world.rank, P2P_SIZES, tag=7)
     report["allreduce"], report["p2p"] = allreduce.to_json(), p2p.to_json()
+    report["elements"] = _elements(spec, args.batch_size, args.seed, timed=args.compute)
     if world.rank == 0:
         with open(args.out, "w") as out:
             json.dump(report, out)

@@ -1,0 +1,142 @@
+"""`ringtrain bench plan`: `ringtrain plan`'s predictions against the clock.
+
+For each model: calibrate (on this node, and across --hosts if given), let the cost model rank
+every configuration of 2 ranks, then run each through `ringtrain train` itself, under mpirun,
+taking turns round by round, and compare the median measured samples/s with the prediction.
+Every configuration in the table is run (data parallel, lossy fp16, each schedule and M);
+grids of more ranks are predicted by `plan` but need more cores than 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+from statistics import median
+
+from ringtrain import log
+from ringtrain.bench.common import host_flags, run_bounded
+from ringtrain.plan.cli import calibrate, launch_env, load_calibration, two_ranks
+from ringtrain.plan.costmodel import plan
+
+DATASET, OPTIMIZER = "digits", "adam"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--models", default="mlp,transformer", help="comma-separated models")
+    p.add_argument("--batch-size", type=int, default=64, help="the global batch")
+    p.add_argument("--steps", type=int, default=40, help="steps a measured run takes")
+    p.add_argument("--hosts", help="two hosts a,b: one rank on each (the rehearsal cluster)")
+    p.add_argument("--label", default="", help="the setting, for the report (e.g. the link cap)")
+
+
+def _train(flags: list[str], args, placement: list[str], folder: Path) -> float:
+    """One measured run: the steady samples/s that `ringtrain train` reports itself."""
+    metrics = folder / "metrics.json"
+    cmd = two_ranks(placement, "ringtrain.cli", "train", *flags, "--steps", str(args.steps))
+    cmd += ["--progress", "none", "--metrics-out", str(metrics)]
+    run_bounded(cmd, launch_env(), 600.0, folder / "train.log")
+    return float(json.loads(metrics.read_text())["samples_per_sec"])
+
+
+def measure(args: argparse.Namespace) -> dict:
+    placement = host_flags(args.hosts) if args.hosts else []
+    nodes, per_node = (2, 1) if args.hosts else (1, 2)
+    steps = 12 if args.quick else args.steps
+    args.steps = steps
+    workloads = []
+    with tempfile.TemporaryDirectory(prefix="ringtrain-bench-plan-") as tmp:
+        for model in args.models.split(","):
+            path = str(Path(tmp) / f"{model}.json")
+            log.info(f"calibrating {model} ...")
+            doc = calibrate(model, DATASET, OPTIMIZER, args.batch_size, args.hosts, path)
+            table = plan(load_calibration(path, model, DATASET), nodes, per_node, args.batch_size)
+            base = ["--model", model, "--dataset", DATASET, "--optimizer", OPTIMIZER]
+            base += ["--batch-size", str(args.batch_size)]
+            measured: dict[str, list[float]] = {p.candidate.label(): [] for p in table}
+            for r in range(args.rounds):
+                order = table[r % len(table) :] + table[: r % len(table)]
+                for p in order:
+                    log.info(f"{model} round {r + 1}/{args.rounds}: {p.candidate.label()}")
+                    flags = [*base, *p.candidate.flags()]
+                    rate = _train(flags, args, placement, Path(tmp))
+                    measured[p.candidate.label()].append(rate)
+            rows = []
+            for p in table:
+                row = p.to_json()
+                rates = measured[p.candidate.label()]
+                row["measured_samples_per_sec"] = rates
+                row["measured_median"] = median(rates)
+                row["error"] = row["samples_per_sec"] / row["measured_median"] - 1
+                rows.append(row)
+            exact = [row for row in rows if "fp16" not in row["configuration"]]
+            fastest = max(exact, key=lambda row: row["measured_median"])
+            first = exact[0]
+            workloads.append(
+                {
+                    "model": model,
+                    "calibration": doc,
+                    "configurations": rows,
+                    "first_choice": first["configuration"],
+                    "fastest_measured": fastest["configuration"],
+                    "first_choice_vs_fastest": first["measured_median"]
+                    / fastest["measured_median"],
+                    "worst_error": max(abs(row["error"]) for row in rows),
+                }
+            )
+    return {
+        "setting": args.label or ("2 nodes" if args.hosts else "one host, 2 ranks"),
+        "hosts": args.hosts,
+        "global_batch": args.batch_size,
+        "steps_per_run": steps,
+        "rounds": args.rounds,
+        "workloads": workloads,
+        "targets": {
+            "every prediction within 20%": all(w["worst_error"] <= 0.2 for w in workloads),
+            "first choice within 10% of the fastest": all(
+                w["first_choice_vs_fastest"] >= 0.9 for w in workloads
+            ),
+        },
+    }
+
+
+def describe(result: dict) -> list[str]:
+    lines = [f"bench plan, {result['setting']}, global batch {result['global_batch']}:"]
+    for w in result["workloads"]:
+        lines.append(
+            f"  {w['model']}: first choice {w['first_choice']} "
+            f"({w['first_choice_vs_fastest']:.2f} of the fastest measured, "
+            f"{w['fastest_measured']}); worst prediction error {w['worst_error']:+.0%}"
+        )
+        for row in w["configurations"]:
+            lines.append(
+                f"    {row['configuration']:30} predicted {row['samples_per_sec']:8.0f} "
+                f"measured {row['measured_median']:8.0f} samples/s ({row['error']:+.0%})"
+            )
+    lines += [f"  {k}: {'met' if v else 'NOT met'}" for k, v in result["targets"].items()]
+    return lines
+
+
+def draw(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    count = len(result["workloads"])
+    fig, axes = plt.subplots(count, 1, figsize=(9, 3.2 * count), squeeze=False)
+    for ax, w in zip(axes[:, 0], result["workloads"], strict=True):
+        rows = w["configurations"]
+        names = [row["configuration"] for row in rows]
+        ys = range(len(rows))
+        ax.barh([y + 0.2 for y in ys], [r["samples_per_sec"] for r in rows], 0.4, label="plan")
+        ax.barh([y - 0.2 for y in ys], [r["measured_median"] for r in rows], 0.4, label="measured")
+        ax.set_yticks(list(ys), names, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(f"{w['model']}: predicted vs measured samples/s", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"ringtrain plan against the clock: {result['setting']}", fontsize=10, wrap=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
