@@ -24,9 +24,20 @@ def synthetic(
     elements: int = 4,
 ) -> Calibration:
     """Elements that cost F = B = per_sample a sample (BI = BW = half of B), no fixed cost, each
-    with `params` weights and 10 floats in and out per sample."""
+    with `params` weights and 10 floats in and out per sample; a stage costs its elements' sum
+    and its optimizer step nothing."""
     half = per_sample / 2
     seconds = {"F": (0.0, per_sample), "B": (0.0, per_sample), "BI": (0.0, half), "BW": (0.0, half)}
+    ranges = {
+        (a, b): {
+            "F": (0.0, (b - a) * per_sample),
+            "B": (0.0, (b - a) * per_sample),
+            "BW": (0.0, (b - a) * half),
+            "STEP": (0.0, 0.0),
+        }
+        for a in range(elements)
+        for b in range(a + 1, elements + 1)
+    }
     return Calibration(
         model="mlp",
         dataset="digits",
@@ -37,6 +48,8 @@ def synthetic(
         baseline_bytes=1000,
         step_seconds=(0.0, 2 * elements * per_sample),
         step_peak=(0, 1.0),
+        stages=ranges,
+        executor=[{"bounds": [(0, 2), (2, 4)], "microbatch": 16.0, "seconds": {}}],
     )
 
 
@@ -128,6 +141,11 @@ def _calibration_file(tmp_path: Path, **changes) -> Path:
         ],
         "step_seconds": list(cal.step_seconds),
         "step_peak": list(cal.step_peak),
+        "executor": [{"bounds": [[0, 2], [2, 4]], "microbatch": 16, "seconds": {}}],
+        "stages": [
+            {"start": a, "end": b, "seconds": {op: list(v) for op, v in fits.items()}}
+            for (a, b), fits in cal.stages.items()
+        ],
         "baseline_bytes": cal.baseline_bytes,
         "allreduce": {"intra": LinkModel(1e-4, 1e9).to_json()},
         "p2p": {"intra": LinkModel(1e-5, 1e9).to_json()},

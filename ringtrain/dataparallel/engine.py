@@ -14,7 +14,7 @@ from ringtrain.data import Dataset, shard
 from ringtrain.dataparallel.collectives import average_gradients, broadcast_state, buckets
 from ringtrain.evaluate import sharded_accuracy
 from ringtrain.models import ModelSpec, forward, loss_fn, trainable_variables
-from ringtrain.optim import make_optimizer
+from ringtrain.optim import LearningRate, make_optimizer
 from ringtrain.runtime import World
 from ringtrain.tensorflow_loader import tf
 from ringtrain.weights import named_weights, replica_checksums, variable_bytes
@@ -37,7 +37,7 @@ class DataParallelEngine(Checkpointable):
         self._train_step = tf.function(self._step_graph)
         self._traced_step = tf.function(lambda x, y, stop: self._step_graph(x, y, stop, True))
         self._predict = tf.function(lambda x: tf.argmax(forward(self.elements, x), axis=-1))
-        self._lr = None
+        self._lr = LearningRate(self.optimizer)
 
     def _step_graph(self, x: tf.Tensor, y: tf.Tensor, stop: tf.Tensor, timed: bool = False):
         """x holds `accumulate` slices; their averaged mean-loss gradients equal the slice's.
@@ -76,9 +76,7 @@ class DataParallelEngine(Checkpointable):
         return loss, stop, tf.stack([_clock(after) - began[0] for after in [raw, *arrived]])
 
     def set_learning_rate(self, lr: float) -> None:
-        if lr != self._lr:  # an assign is an eager op: skip it while the schedule holds still
-            self.optimizer.learning_rate.assign(lr)
-            self._lr = lr
+        self._lr.set(lr)
 
     def _inputs(self, global_indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         local = shard(global_indices, self.world.rank, self.world.size)

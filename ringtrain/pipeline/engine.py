@@ -35,7 +35,7 @@ from ringtrain.dataparallel.collectives import average_gradients
 from ringtrain.evaluate import count_accuracy
 from ringtrain.guard import agree
 from ringtrain.models import ModelSpec, forward, loss_fn, trainable_variables
-from ringtrain.optim import make_optimizer
+from ringtrain.optim import LearningRate, make_optimizer
 from ringtrain.pipeline import partition
 from ringtrain.pipeline.calibrate import CALIBRATION_STEPS, ping_pong, stage_seconds
 from ringtrain.pipeline.costs import FREE_LINK, predict
@@ -193,6 +193,7 @@ class PipelineEngine(Checkpointable):
         self.variables = [v for stage in self.stages.values() for v in stage.variables]
         self.optimizer = make_optimizer(cfg)
         self.optimizer.build(self.variables)
+        self._lr = LearningRate(self.optimizer)
         self._apply = tf.function(self._apply_gradients)
 
         self.actions = self.schedule.actions[self.position]
@@ -293,7 +294,7 @@ class PipelineEngine(Checkpointable):
 
     # ---- one optimizer step -------------------------------------------------------------
     def set_learning_rate(self, lr: float) -> None:
-        self.optimizer.learning_rate.assign(lr)
+        self._lr.set(lr)
 
     def step(self, global_indices: np.ndarray) -> float:
         mine = shard(global_indices, self.replica, self.replicas)

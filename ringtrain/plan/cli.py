@@ -198,6 +198,20 @@ def _from_json(doc: dict) -> Calibration:
         int(doc["baseline_bytes"]),
         tuple(float(v) for v in doc["step_seconds"]),
         (int(doc["step_peak"][0]), float(doc["step_peak"][1])),
+        {
+            (int(r["start"]), int(r["end"])): {
+                op: (float(a), float(b)) for op, (a, b) in r["seconds"].items()
+            }
+            for r in doc["stages"]
+        },
+        [
+            {
+                "bounds": [tuple(b) for b in run["bounds"]],
+                "microbatch": float(run["microbatch"]),
+                "seconds": {str(k): float(v) for k, v in run["seconds"].items()},
+            }
+            for run in doc["executor"]
+        ],
         dict(doc["fingerprint"]),
     )
 
@@ -228,6 +242,36 @@ def two_ranks(placement: list[str], module: str, *args: str) -> list[str]:
     ]
 
 
+REFERENCE_MICROBATCHES = (2, 8)
+
+
+def _executor_reference(common: list[str], batch: int, tmp: Path) -> list[dict]:
+    """Short 2-stage 1F1B runs of the executor itself on this node, at two microbatch sizes:
+    their in-run calibration (each action's host time from the trace) shows what an action
+    costs beyond the compute measured alone."""
+    from ringtrain.bench.common import RunFailed, run_bounded
+
+    runs = []
+    for count in REFERENCE_MICROBATCHES:
+        metrics = tmp / f"reference-{count}.json"
+        flags = ["--strategy", "pipeline", "--schedule", "1f1b", "--microbatches", str(count)]
+        flags += ["--steps", "8", "--progress", "none", "--metrics-out", str(metrics)]
+        cmd = two_ranks([], "ringtrain.cli", "train", *common, *flags)
+        try:
+            run_bounded(cmd, launch_env(), 300.0, tmp / "reference.log")
+        except RunFailed as err:
+            raise UserError(f"calibration of the pipeline executor failed: {err}") from None
+        done = json.loads(metrics.read_text())
+        runs.append(
+            {
+                "bounds": done["partition"],
+                "microbatch": batch / count,
+                "seconds": done["calibration"]["seconds"],
+            }
+        )
+    return runs
+
+
 def calibrate(
     model: str, dataset: str, optimizer: str, batch: int, hosts: str | None, path: str
 ) -> dict:
@@ -253,6 +297,8 @@ def calibrate(
             except RunFailed as err:
                 raise UserError(f"calibration {where} node failed: {err}") from None
             found[where] = json.loads(out.read_text())
+        print("calibrating the pipeline executor's own costs ...", flush=True)
+        reference = _executor_reference(common, batch, Path(tmp))
     if hosts and len(set(found["inter"]["hosts"])) < 2:
         raise UserError(f"--hosts {hosts}: both ranks ran on {found['inter']['hosts'][0]}")
     links = {
@@ -274,6 +320,8 @@ def calibrate(
         "step_seconds": found["intra"]["step_seconds"],
         "baseline_bytes": found["intra"]["baseline_bytes"],
         "step_peak": found["intra"]["step_peak"],
+        "stages": found["intra"]["stages"],
+        "executor": reference,
         **links,
     }
     Path(path).write_text(json.dumps(doc, indent=1))

@@ -3,9 +3,10 @@
 Pure Python (neither TensorFlow nor MPI), so it is unit-tested in milliseconds on synthetic
 calibrations with known answers. The pieces are the ones the rest of ringtrain predicts with:
 
-- compute: each element's F, B, BI and BW seconds (pipelines), and a whole-model compiled
-  step's (data parallel), fitted as fixed + per_sample x samples (two batch sizes measured by
-  `plan calibrate`);
+- compute: a whole-model compiled step (data parallel), every contiguous range of elements run
+  as a pipeline stage (F, B, the adds a BW is once BI made every gradient, the optimizer STEP),
+  and each element's F + B (to split the model where the executor's time partition will), all
+  fitted as fixed + per_sample x samples (two batch sizes measured by `plan calibrate`);
 - data parallel: the no-overlap roofline, compute + ring allreduce of the gradient bytes, which
   is how ringtrain's default step runs (one grouped allreduce after the backward); the same
   function gives the bench's limits (`roofline`);
@@ -22,6 +23,7 @@ Calibration times it at D = 2 as latency + bytes / rate, so each of the steps co
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from ringtrain.errors import UserError
@@ -32,7 +34,6 @@ from ringtrain.pipeline.schedule import build_schedule
 FORMAT = "ringtrain-calibration/1"
 FLOAT_BYTES = 4
 OPTIMIZER_SLOTS = {"sgd": 0, "adam": 2}  # float slots per weight (Adam: two moments)
-COMPUTE_OPS = ("F", "B", "BI", "BW")
 SCHEDULE_KINDS = ("gpipe", "1f1b", "zb-h1")
 
 
@@ -46,8 +47,13 @@ class ElementCost:
     output_floats: int  # per sample
 
     def time(self, op: str, samples: float) -> float:
-        fixed, per_sample = self.seconds[op]
-        return max(fixed + per_sample * samples, 0.0)
+        return _linear(self.seconds[op], samples)
+
+
+def _linear(fit: tuple[float, float], samples: float) -> float:
+    """Seconds from a (fixed, per sample) fit, never below zero."""
+    fixed, per_sample = fit
+    return max(fixed + per_sample * samples, 0.0)
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,12 @@ class Calibration:
     baseline_bytes: int  # a rank's resident set once TensorFlow, MPI and Horovod are loaded
     step_seconds: tuple[float, float]  # a whole-model compiled step: (fixed s, s per sample)
     step_peak: tuple[int, float]  # (bytes that step added to the high-water mark, its samples)
+    # elements [a, b) run as one pipeline stage: op (F, B, BW, STEP) -> (fixed s, s per sample)
+    stages: dict[tuple[int, int], dict[str, tuple[float, float]]]
+    # 2-stage 1F1B runs of the executor at two microbatch sizes: each one's partition,
+    # microbatch and in-run seconds per action ("0F", "1RECV_ACT", ...), which show what an
+    # action costs beyond the compute above
+    executor: list[dict]
     fingerprint: dict = field(default_factory=dict)
 
     @property
@@ -76,8 +88,7 @@ class Calibration:
         return max(added - model, 0)
 
     def step_compute(self, samples: float) -> float:
-        fixed, per_sample = self.step_seconds
-        return max(fixed + per_sample * samples, 0.0)
+        return _linear(self.step_seconds, samples)
 
     def link(self, table: dict[str, LinkModel], across_nodes: bool) -> LinkModel:
         if across_nodes and "inter" not in table:
@@ -196,11 +207,16 @@ def predict_pipeline(cal: Calibration, candidate: Candidate, nodes: int, batch: 
     microbatch = batch / replicas / candidate.microbatches
     elements = cal.elements
     bounds = balanced([e.time("F", microbatch) + e.time("B", microbatch) for e in elements], stages)
-    seconds = {
-        (s, op): sum(elements[i].time(op, microbatch) for i in range(a, b))
-        for s, (a, b) in enumerate(bounds)
-        for op in COMPUTE_OPS
-    }
+    seconds = {}
+    for s, bound in enumerate(bounds):
+        ranged = {op: _linear(fit, microbatch) for op, fit in cal.stages[bound].items()}
+        extra = executor_overhead(cal, s == 0, s == stages - 1, microbatch)
+        # with a saved tape BI makes every gradient (a B less its adds), and BW only adds
+        ranged["BI"] = max(ranged["B"] - ranged["BW"], 0.0)
+        extra["BI"], extra["BW"] = extra["B"], 0.0
+        for op in ("F", "B", "BI", "BW", "STEP"):
+            seconds[(s, op)] = ranged[op] + extra.pop(op)
+        seconds.update({(s, op): value for op, value in extra.items()})
     boundary = [int(elements[b - 1].output_floats * FLOAT_BYTES * microbatch) for _, b in bounds]
     ranks_per_node = replicas * stages // nodes
     pipeline_spans_nodes = stages > ranks_per_node
@@ -218,6 +234,45 @@ def predict_pipeline(cal: Calibration, candidate: Candidate, nodes: int, batch: 
     step = sim.makespan + average
     exposed = max(step - compute - sim.bubble * sim.makespan, 0.0)
     return Prediction(candidate, step, compute, exposed, sim.bubble, peak, batch / step)
+
+
+def executor_overhead(
+    cal: Calibration, first: bool, last: bool, microbatch: float
+) -> dict[str, float]:
+    """What the executor's actions cost beyond their compute on a stage at this position, from
+    the reference runs: F, B and STEP less the same stage's calibrated compute, and the host work
+    of messages and REDUCE as measured; linear in the microbatch through the two runs. A middle
+    stage takes the mean of first and last."""
+    at: dict[float, dict[str, float]] = {}
+    for ref in cal.executor:
+        count = len(ref["bounds"])
+        positions = [0] if first else [count - 1] if last else [0, count - 1]
+        found: dict[str, list[float]] = {}
+        for r in positions:
+            bound = ref["bounds"][r]
+            compute = {op: _linear(f, ref["microbatch"]) for op, f in cal.stages[bound].items()}
+            for key, value in ref["seconds"].items():
+                stage, op = re.fullmatch(r"(\d+)(\D.*)", key).groups()
+                if int(stage) == r:
+                    beyond = value - compute[op] if op in ("F", "B", "STEP") else value
+                    found.setdefault(op, []).append(beyond)
+        at[ref["microbatch"]] = {op: sum(v) / len(v) for op, v in found.items()}
+    ops = {op for values in at.values() for op in values} | {"F", "B", "STEP"}
+    sizes = sorted(at)
+    extra = {}
+    for op in ops:
+        points = {n: at[n].get(op, 0.0) for n in sizes}
+        fit = fit_line(points) if len(points) > 1 else (points.get(sizes[0], 0.0), 0.0)
+        extra[op] = max(_linear(fit, microbatch), 0.0)
+    return extra
+
+
+def fit_line(points: dict[float, float]) -> tuple[float, float]:
+    """(fixed, per sample) through the smallest and largest of {samples: seconds} points: the
+    calibration measures at two sample counts, so a line through both."""
+    (small, t_small), (large, t_large) = min(points.items()), max(points.items())
+    slope = (t_large - t_small) / (large - small)
+    return t_small - slope * small, slope
 
 
 def candidates(ranks: int, elements: int, microbatch_counts: list[int]) -> list[Candidate]:

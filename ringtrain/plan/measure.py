@@ -23,6 +23,8 @@ from statistics import median
 
 import numpy as np
 
+from ringtrain.plan.costmodel import fit_line
+
 ALLREDUCE_SIZES = (4 << 10, 256 << 10, 4 << 20)
 P2P_SIZES = (64, 64 << 10, 1 << 20)
 REPEATS = 8
@@ -30,7 +32,8 @@ REPEATS = 8
 
 def _elements(spec, batch: int, seed: int, timed: bool) -> list[dict]:
     """Each element's parameters and per-sample input and output sizes, and if `timed` its
-    F, B, BI and BW seconds as fixed + per sample."""
+    F, B, BI and BW seconds as fixed + per sample, timed as the executor's time partition
+    times them (so the planner splits the model where the executor will)."""
     from ringtrain.pipeline.engine import time_element
 
     shapes = spec.shapes()
@@ -47,15 +50,71 @@ def _elements(spec, batch: int, seed: int, timed: bool) -> list[dict]:
         if timed:
             at = {n: time_element(element, (n, *shapes[i])) for n in _sample_counts(batch)}
             ops = next(iter(at.values()))
-            found[-1]["seconds"] = {op: _fit({n: at[n][op] for n in at}) for op in ops}
+            found[-1]["seconds"] = {op: fit_line({n: at[n][op] for n in at}) for op in ops}
     return found
 
 
-def _fit(seconds_at: dict[int, float]) -> list[float]:
-    """[fixed, per sample] through the two sample counts measured."""
-    (small, t_small), (large, t_large) = sorted(seconds_at.items())
-    slope = (t_large - t_small) / (large - small)
-    return [t_small - slope * small, slope]
+def _stage_ranges(spec, optimizer_name: str, batch: int, seed: int, tf) -> list[dict]:
+    """Every contiguous range of elements as one pipeline stage, run the way the executor runs
+    it (its own Stage): F, the compiled output under an eager tape (the loss read on the last
+    stage); B, the tape's gradient for weights and input plus the accumulating adds; BW, the
+    adds alone (with a saved tape BI makes every gradient and BW only adds them); STEP, the
+    compiled optimizer step over the range's weights. Fitted as fixed + per sample."""
+    from ringtrain.pipeline.engine import Stage
+
+    n, shapes = len(spec), spec.shapes()
+    found = []
+    for a in range(n):
+        for b in range(a + 1, n + 1):
+            index = 0 if a == 0 else 1
+            stage = Stage(
+                index, index + 1 if b == n else index + 2, spec.build(range(a, b), seed), 1
+            )
+            optimizer = _optimizer(optimizer_name)
+            apply = tf.function(
+                lambda grads, s=stage, o=optimizer: o.apply_gradients(
+                    zip(grads, s.variables, strict=True)
+                )
+            )
+            at = {}
+            for samples in _sample_counts(batch):
+                x = tf.random.normal((samples, *shapes[a]))
+                y = tf.zeros((samples,), tf.int32)
+                upstream = None if stage.last else tf.ones((samples, *shapes[b]))
+                grads = [tf.zeros_like(v) for v in stage.variables]
+                times: dict[str, list[float]] = {"F": [], "B": [], "BW": [], "STEP": []}
+                for round_index in range(REPEATS + 1):  # the first traces
+                    t0 = time.perf_counter()
+                    with tf.GradientTape() as tape:
+                        if not stage.first:
+                            tape.watch(x)
+                        out = stage.output(x, y)
+                    if stage.last:
+                        float(out)
+                    t1 = time.perf_counter()
+                    made = tape.gradient(
+                        out, stage.sources(x, True, True), output_gradients=upstream
+                    )
+                    t2 = time.perf_counter()
+                    grads = [g + d for g, d in zip(grads, made, strict=False)]
+                    t3 = time.perf_counter()
+                    apply(grads)
+                    t4 = time.perf_counter()
+                    if round_index:
+                        for op, seconds in (("F", t1 - t0), ("B", t3 - t1), ("BW", t3 - t2)):
+                            times[op].append(seconds)
+                        times["STEP"].append(t4 - t3)
+                at[samples] = {op: median(v) for op, v in times.items()}
+            fits = {op: fit_line({k: at[k][op] for k in at}) for op in times}
+            found.append({"start": a, "end": b, "seconds": fits})
+    return found
+
+
+def _optimizer(name: str):
+    import keras
+
+    kind = keras.optimizers.SGD if name == "sgd" else keras.optimizers.Adam
+    return kind(learning_rate=1e-6)
 
 
 def _sample_counts(batch: int) -> tuple[int, int]:
@@ -65,14 +124,11 @@ def _sample_counts(batch: int) -> tuple[int, int]:
 def _whole_step(spec, optimizer_name: str, batch: int, seed: int, tf) -> list[float]:
     """A data-parallel step's compute as ringtrain compiles it (forward, backward and the
     optimizer in one function, no allreduce), fitted as fixed + per sample."""
-    import keras
-
     from ringtrain.models import forward, loss_fn, trainable_variables
 
     elements = spec.build(range(len(spec)), seed)
     variables = trainable_variables(elements)
-    kind = keras.optimizers.SGD if optimizer_name == "sgd" else keras.optimizers.Adam
-    optimizer = kind(learning_rate=1e-6)
+    optimizer = _optimizer(optimizer_name)
 
     @tf.function
     def step(x, y):
@@ -91,7 +147,7 @@ def _whole_step(spec, optimizer_name: str, batch: int, seed: int, tf) -> list[fl
             step(x, y).numpy()
             times.append(time.perf_counter() - start)
         at[n] = median(times[1:])
-    return _fit(at)
+    return fit_line(at)
 
 
 def _allreduce(hvd, tf, grad_bytes: int) -> list[tuple[int, float]]:
@@ -145,6 +201,8 @@ def main(argv: list[str]) -> None:
     p2p = ping_pong(Link(world.comm, timeout=60.0), world.rank, P2P_SIZES, tag=7)
     report["allreduce"], report["p2p"] = allreduce.to_json(), p2p.to_json()
     report["elements"] = _elements(spec, args.batch_size, args.seed, timed=args.compute)
+    if args.compute:
+        report["stages"] = _stage_ranges(spec, args.optimizer, args.batch_size, args.seed, tf)
     if world.rank == 0:
         with open(args.out, "w") as out:
             json.dump(report, out)
