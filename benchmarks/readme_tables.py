@@ -245,6 +245,40 @@ def dp_table(report: dict) -> str:
     return "\n".join([intro, "", *lines, "", "Where the time went (ms per step):", "", *profiles])
 
 
+def plan_table(report: dict) -> str:
+    facts = report["machine"]
+    parts = [
+        f"`ringtrain bench plan`, {report['setting']}, on {facts['cpus']} cores "
+        f"({facts['cpu_model']}): every 2-rank configuration `ringtrain plan` ranks, each run "
+        f"through `ringtrain train` ({report['steps_per_run']} steps, global batch "
+        f"{report['global_batch']}, Adam) in {report['rounds']} alternating rounds; medians. "
+        "Memory is what the fullest rank added to its high-water mark (VmHWM) after "
+        f"TensorFlow's import, beside the prediction{_mode(report)}."
+    ]
+    for w in report["workloads"]:
+        lines = [
+            f"**{w['model']}**: plan's first choice {w['first_choice']}, "
+            f"{w['first_choice_vs_fastest']:.2f} of the fastest measured "
+            f"({w['fastest_measured']}).",
+            "",
+            "| configuration | predicted samples/s | measured | error | step ms predicted "
+            "| compute | exposed comm | bubble | memory MiB predicted / measured |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in w["configurations"]:
+            lines.append(
+                f"| {r['configuration']} | {r['samples_per_sec']:.0f} | "
+                f"{r['measured_median']:.0f} | {r['error']:+.0%} | {r['step_ms']:.2f} | "
+                f"{r['compute_ms']:.2f} | {r['exposed_comm_ms']:.2f} | {r['bubble']:.2f} | "
+                f"{r['memory_predicted_bytes'] / 2**20:.0f} / "
+                f"{r['memory_measured_bytes'] / 2**20:.0f} |"
+            )
+        parts.append("\n".join(lines))
+    met = ", ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in report["targets"].items())
+    parts.append(f"Targets: {met}.")
+    return "\n\n".join(parts)
+
+
 SECTIONS = {
     "pipeline": pipeline_table,
     "pipeline-cluster": pipeline_table,
@@ -253,6 +287,8 @@ SECTIONS = {
     "dp": dp_table,
     "dp-cluster": dp_table,
     "dp-cluster-capped": dp_table,
+    "plan-cluster-2gbit": plan_table,
+    "plan-cluster-200mbit": plan_table,
 }
 
 

@@ -204,3 +204,24 @@ def test_the_runtime_share_of_memory_is_the_measured_step_less_the_model_own():
     assert measured.runtime_bytes == 5_000_000
     p = costmodel.predict_data_parallel(measured, ranks=4, nodes=1, batch=64, fp16=False)
     assert p.peak_bytes == 1000 + 5_000_000 + 4 * 250_000 * 4 * 2 + 4 * 20 * 4 * 16
+
+
+def test_the_executor_overhead_is_the_reference_runs_beyond_their_compute():
+    """Reference runs at microbatches 8 and 32 whose F took 1 ms and 2 ms more than the
+    stage's compute, whose receives took 0.2 ms of host work: a microbatch of 16 pays
+    4/3 ms on each F and the receive's 0.2 ms."""
+    base = synthetic()
+
+    def reference(microbatch: float, extra: float) -> dict:
+        compute = 2 * 0.1 * MS * microbatch  # a stage of two elements
+        seconds = {"0F": compute + extra, "1F": compute + extra, "1RECV_ACT": 0.2 * MS}
+        return {"bounds": [(0, 2), (2, 4)], "microbatch": microbatch, "seconds": seconds}
+
+    cal = Calibration(**{**base.__dict__, "executor": [reference(8, MS), reference(32, 2 * MS)]})
+    last = costmodel.executor_overhead(cal, first=False, last=True, microbatch=16)
+    assert last["F"] == pytest.approx(4 / 3 * MS)
+    assert last["RECV_ACT"] == pytest.approx(0.2 * MS)
+    assert last["B"] == last["STEP"] == 0.0
+    plain = costmodel.predict_pipeline(base, Candidate(1, 2, "gpipe", 4), 1, 64)
+    slower = costmodel.predict_pipeline(cal, Candidate(1, 2, "gpipe", 4), 1, 64)
+    assert slower.step_seconds > plain.step_seconds + 4 * 4 / 3 * MS

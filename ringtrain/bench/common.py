@@ -304,10 +304,13 @@ def last_words(log: Path) -> str:
     return said[-1][:300] if said else "no output"
 
 
-def run_bounded(cmd: list[str], env: dict[str, str], timeout: float, log: Path) -> None:
-    """Run to completion within timeout seconds, stderr to log; RunFailed otherwise."""
+def run_bounded(
+    cmd: list[str], env: dict[str, str], timeout: float, log: Path, quiet: bool = False
+) -> None:
+    """Run to completion within timeout seconds, stderr (and, if quiet, stdout) to log;
+    RunFailed otherwise."""
     with open(log, "w") as err:
-        process = start_session(cmd, env, stderr=err)
+        process = start_session(cmd, env, stderr=err, **({"stdout": err} if quiet else {}))
         try:
             code = process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -31,13 +31,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--label", default="", help="the setting, for the report (e.g. the link cap)")
 
 
-def _train(flags: list[str], args, placement: list[str], folder: Path) -> float:
-    """One measured run: the steady samples/s that `ringtrain train` reports itself."""
+def _train(flags: list[str], args, placement: list[str], folder: Path) -> dict:
+    """One measured run: the steady samples/s that `ringtrain train` reports itself, and the
+    most memory any rank added after TensorFlow's import."""
     metrics = folder / "metrics.json"
     cmd = two_ranks(placement, "ringtrain.cli", "train", *flags, "--steps", str(args.steps))
     cmd += ["--progress", "none", "--metrics-out", str(metrics)]
-    run_bounded(cmd, launch_env(), 600.0, folder / "train.log")
-    return float(json.loads(metrics.read_text())["samples_per_sec"])
+    run_bounded(cmd, launch_env(), 600.0, folder / "train.log", quiet=True)
+    done = json.loads(metrics.read_text())
+    return {
+        "rate": float(done["samples_per_sec"]),
+        "added": done["peak_resident_above_import_bytes"],
+    }
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -54,21 +59,26 @@ def measure(args: argparse.Namespace) -> dict:
             table = plan(load_calibration(path, model, DATASET), nodes, per_node, args.batch_size)
             base = ["--model", model, "--dataset", DATASET, "--optimizer", OPTIMIZER]
             base += ["--batch-size", str(args.batch_size)]
-            measured: dict[str, list[float]] = {p.candidate.label(): [] for p in table}
+            measured: dict[str, list[dict]] = {p.candidate.label(): [] for p in table}
             for r in range(args.rounds):
                 order = table[r % len(table) :] + table[: r % len(table)]
                 for p in order:
                     log.info(f"{model} round {r + 1}/{args.rounds}: {p.candidate.label()}")
                     flags = [*base, *p.candidate.flags()]
-                    rate = _train(flags, args, placement, Path(tmp))
-                    measured[p.candidate.label()].append(rate)
+                    measured[p.candidate.label()].append(_train(flags, args, placement, Path(tmp)))
             rows = []
             for p in table:
                 row = p.to_json()
-                rates = measured[p.candidate.label()]
-                row["measured_samples_per_sec"] = rates
-                row["measured_median"] = median(rates)
+                runs = measured[p.candidate.label()]
+                row["measured_samples_per_sec"] = [run["rate"] for run in runs]
+                row["measured_median"] = median(row["measured_samples_per_sec"])
                 row["error"] = row["samples_per_sec"] / row["measured_median"] - 1
+                # memory above the baseline after TensorFlow's import, predicted and measured
+                row["memory_predicted_bytes"] = row["peak_memory_bytes"] - doc["baseline_bytes"]
+                row["memory_measured_bytes"] = median(run["added"] for run in runs)
+                row["memory_error"] = (
+                    row["memory_predicted_bytes"] / max(row["memory_measured_bytes"], 1) - 1
+                )
                 rows.append(row)
             exact = [row for row in rows if "fp16" not in row["configuration"]]
             fastest = max(exact, key=lambda row: row["measured_median"])
@@ -83,6 +93,7 @@ def measure(args: argparse.Namespace) -> dict:
                     "first_choice_vs_fastest": first["measured_median"]
                     / fastest["measured_median"],
                     "worst_error": max(abs(row["error"]) for row in rows),
+                    "worst_memory_error": max(abs(row["memory_error"]) for row in rows),
                 }
             )
     return {
@@ -97,6 +108,9 @@ def measure(args: argparse.Namespace) -> dict:
             "first choice within 10% of the fastest": all(
                 w["first_choice_vs_fastest"] >= 0.9 for w in workloads
             ),
+            "memory within 25% of VmHWM above the import": all(
+                w["worst_memory_error"] <= 0.25 for w in workloads
+            ),
         },
     }
 
@@ -107,12 +121,15 @@ def describe(result: dict) -> list[str]:
         lines.append(
             f"  {w['model']}: first choice {w['first_choice']} "
             f"({w['first_choice_vs_fastest']:.2f} of the fastest measured, "
-            f"{w['fastest_measured']}); worst prediction error {w['worst_error']:+.0%}"
+            f"{w['fastest_measured']}); worst errors: speed {w['worst_error']:.0%}, "
+            f"memory {w['worst_memory_error']:.0%}"
         )
         for row in w["configurations"]:
             lines.append(
                 f"    {row['configuration']:30} predicted {row['samples_per_sec']:8.0f} "
-                f"measured {row['measured_median']:8.0f} samples/s ({row['error']:+.0%})"
+                f"measured {row['measured_median']:8.0f} samples/s ({row['error']:+.0%}); "
+                f"memory {row['memory_predicted_bytes'] / 2**20:.0f} / "
+                f"{row['memory_measured_bytes'] / 2**20:.0f} MiB ({row['memory_error']:+.0%})"
             )
     lines += [f"  {k}: {'met' if v else 'NOT met'}" for k, v in result["targets"].items()]
     return lines

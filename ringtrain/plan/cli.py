@@ -258,7 +258,7 @@ def _executor_reference(common: list[str], batch: int, tmp: Path) -> list[dict]:
         flags += ["--steps", "8", "--progress", "none", "--metrics-out", str(metrics)]
         cmd = two_ranks([], "ringtrain.cli", "train", *common, *flags)
         try:
-            run_bounded(cmd, launch_env(), 300.0, tmp / "reference.log")
+            run_bounded(cmd, launch_env(), 300.0, tmp / "reference.log", quiet=True)
         except RunFailed as err:
             raise UserError(f"calibration of the pipeline executor failed: {err}") from None
         done = json.loads(metrics.read_text())
