@@ -323,7 +323,8 @@ def test_plan_calibrates_across_the_nodes_and_predicts_a_run_there_within_30_per
 ):
     """`plan calibrate --hosts`, then `plan` for 2 nodes of a rank each, then the data-parallel
     line it predicts, run across the nodes: predicted samples/s within 30% of measured."""
-    env = {**shared.env, "RINGTRAIN_NETWORK": CIDR}
+    # one thread a rank in the calibration and in the run alike (the nodes share 2 cores)
+    env = {**shared.env, "RINGTRAIN_NETWORK": CIDR, "RINGTRAIN_THREADS": "1"}
     calibration, metrics = tmp_path / "calibration.json", tmp_path / "metrics.json"
     common = ["--calibration", str(calibration)]
     done = run_with(env, [CLI, "plan", "calibrate", "--hosts", "node1,node2", *common], 400)
@@ -334,7 +335,17 @@ def test_plan_calibrates_across_the_nodes_and_predicts_a_run_there_within_30_per
     assert done.returncode == 0, done.stderr[-3000:]
     table = json.loads(done.stdout)
     data = next(row for row in table["candidates"] if row["configuration"] == "data")
-    argv = ["mpirun", "-np", "2", "-H", "node1:1,node2:1", *NETWORK_FLAGS, CLI, "train"]
+    argv = [
+        "mpirun",
+        "-np",
+        "2",
+        "-H",
+        "node1:1,node2:1",
+        *NETWORK_FLAGS,
+        "-x",
+        "RINGTRAIN_THREADS",
+    ]
+    argv += [CLI, "train"]
     flags = ["--model", "mlp", "--dataset", "digits", "--optimizer", "adam", "--batch-size", "64"]
     argv += [*flags, *data["flags"], "--steps", "40", "--progress", "none"]
     done = run_with(env, [*argv, "--metrics-out", str(metrics)], timeout=JOB_TIMEOUT)

@@ -15,6 +15,14 @@ from ringtrain.plan.cli import fingerprint
 from ringtrain.plan.costmodel import Calibration, Candidate, ElementCost
 
 MS = 1e-3
+# An executor reference run that cost nothing beyond compute and added no memory.
+REFERENCE = {
+    "bounds": [(0, 2), (2, 4)],
+    "microbatch": 16.0,
+    "seconds": {},
+    "microbatches": 4,
+    "added_bytes": 0,
+}
 
 
 def synthetic(
@@ -49,7 +57,7 @@ def synthetic(
         step_seconds=(0.0, 2 * elements * per_sample),
         step_peak=(0, 1.0),
         stages=ranges,
-        executor=[{"bounds": [(0, 2), (2, 4)], "microbatch": 16.0, "seconds": {}}],
+        executor=[REFERENCE],
     )
 
 
@@ -141,7 +149,7 @@ def _calibration_file(tmp_path: Path, **changes) -> Path:
         ],
         "step_seconds": list(cal.step_seconds),
         "step_peak": list(cal.step_peak),
-        "executor": [{"bounds": [[0, 2], [2, 4]], "microbatch": 16, "seconds": {}}],
+        "executor": [REFERENCE],
         "stages": [
             {"start": a, "end": b, "seconds": {op: list(v) for op, v in fits.items()}}
             for (a, b), fits in cal.stages.items()
@@ -215,7 +223,7 @@ def test_the_executor_overhead_is_the_reference_runs_beyond_their_compute():
     def reference(microbatch: float, extra: float) -> dict:
         compute = 2 * 0.1 * MS * microbatch  # a stage of two elements
         seconds = {"0F": compute + extra, "1F": compute + extra, "1RECV_ACT": 0.2 * MS}
-        return {"bounds": [(0, 2), (2, 4)], "microbatch": microbatch, "seconds": seconds}
+        return {**REFERENCE, "microbatch": microbatch, "seconds": seconds}
 
     cal = Calibration(**{**base.__dict__, "executor": [reference(8, MS), reference(32, 2 * MS)]})
     last = costmodel.executor_overhead(cal, first=False, last=True, microbatch=16)

@@ -209,6 +209,8 @@ def _from_json(doc: dict) -> Calibration:
                 "bounds": [tuple(b) for b in run["bounds"]],
                 "microbatch": float(run["microbatch"]),
                 "seconds": {str(k): float(v) for k, v in run["seconds"].items()},
+                "microbatches": int(run["microbatches"]),
+                "added_bytes": int(run["added_bytes"]),
             }
             for run in doc["executor"]
         ],
@@ -228,27 +230,24 @@ def launch_env() -> dict[str, str]:
 
 def two_ranks(placement: list[str], module: str, *args: str) -> list[str]:
     """mpirun starting `python -m module args` in 2 ranks, placed by `placement` (host flags),
-    or bound as Open MPI binds 2 ranks on one node (a core each)."""
+    or bound as Open MPI binds 2 ranks on one node (a core each); RINGTRAIN_THREADS, if set,
+    reaches every rank, remote ones too."""
+    forward = ["-x", "RINGTRAIN_THREADS"] if "RINGTRAIN_THREADS" in os.environ else []
     return [
-        "mpirun",
-        "--oversubscribe",
-        *placement,
-        "-np",
-        "2",
-        sys.executable,
-        "-m",
-        module,
-        *args,
+        *["mpirun", "--oversubscribe", *placement, *forward, "-np", "2"],
+        *[sys.executable, "-m", module, *args],
     ]
 
 
 REFERENCE_MICROBATCHES = (2, 8)
 
 
-def _executor_reference(common: list[str], batch: int, tmp: Path) -> list[dict]:
-    """Short 2-stage 1F1B runs of the executor itself on this node, at two microbatch sizes:
-    their in-run calibration (each action's host time from the trace) shows what an action
-    costs beyond the compute measured alone."""
+def _executor_reference(
+    common: list[str], batch: int, placement: list[str], tmp: Path
+) -> list[dict]:
+    """Short 2-stage 1F1B runs of the executor itself, placed as the compute was measured, at
+    two microbatch sizes: their in-run calibration (each action's host time from the trace)
+    shows what an action costs beyond the compute measured alone."""
     from ringtrain.bench.common import RunFailed, run_bounded
 
     runs = []
@@ -256,7 +255,7 @@ def _executor_reference(common: list[str], batch: int, tmp: Path) -> list[dict]:
         metrics = tmp / f"reference-{count}.json"
         flags = ["--strategy", "pipeline", "--schedule", "1f1b", "--microbatches", str(count)]
         flags += ["--steps", "8", "--progress", "none", "--metrics-out", str(metrics)]
-        cmd = two_ranks([], "ringtrain.cli", "train", *common, *flags)
+        cmd = two_ranks(placement, "ringtrain.cli", "train", *common, *flags)
         try:
             run_bounded(cmd, launch_env(), 300.0, tmp / "reference.log", quiet=True)
         except RunFailed as err:
@@ -267,6 +266,8 @@ def _executor_reference(common: list[str], batch: int, tmp: Path) -> list[dict]:
                 "bounds": done["partition"],
                 "microbatch": batch / count,
                 "seconds": done["calibration"]["seconds"],
+                "microbatches": count,
+                "added_bytes": done["peak_resident_above_import_bytes"],
             }
         )
     return runs
@@ -275,17 +276,23 @@ def _executor_reference(common: list[str], batch: int, tmp: Path) -> list[dict]:
 def calibrate(
     model: str, dataset: str, optimizer: str, batch: int, hosts: str | None, path: str
 ) -> dict:
-    """Measure on this node (and across `hosts` a,b if given) and write the calibration."""
+    """Measure on this node, or across `hosts` a,b if given, and write the calibration.
+
+    Compute and the executor's own costs are measured where the jobs will run: across the two
+    hosts when given (a rank on each, as the nodes' cores and thread pools are), else here;
+    the links inside a node are always measured here, and between nodes across the hosts."""
     from ringtrain.bench.common import RunFailed, host_flags, run_bounded
 
     common = ["--model", model, "--dataset", dataset, "--optimizer", optimizer]
     common += ["--batch-size", str(batch)]
-    launches = [("intra", [], ["--compute"])]
-    if hosts:
-        try:
-            launches.append(("inter", host_flags(hosts), []))
-        except argparse.ArgumentTypeError as err:
-            raise UserError(str(err)) from None
+    try:
+        across = host_flags(hosts) if hosts else None
+    except argparse.ArgumentTypeError as err:
+        raise UserError(str(err)) from None
+    launches = [("intra", [], [] if across else ["--compute"])]
+    if across:
+        launches.append(("inter", across, ["--compute"]))
+    computed = "inter" if across else "intra"
     found: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="ringtrain-calibrate-") as tmp:
         for where, placement, extra in launches:
@@ -298,7 +305,7 @@ def calibrate(
                 raise UserError(f"calibration {where} node failed: {err}") from None
             found[where] = json.loads(out.read_text())
         print("calibrating the pipeline executor's own costs ...", flush=True)
-        reference = _executor_reference(common, batch, Path(tmp))
+        reference = _executor_reference(common, batch, across or [], Path(tmp))
     if hosts and len(set(found["inter"]["hosts"])) < 2:
         raise UserError(f"--hosts {hosts}: both ranks ran on {found['inter']['hosts'][0]}")
     links = {
@@ -316,11 +323,12 @@ def calibrate(
         "optimizer": optimizer,
         "batch_size": batch,
         "fingerprint": stamp,
-        "elements": found["intra"]["elements"],
-        "step_seconds": found["intra"]["step_seconds"],
-        "baseline_bytes": found["intra"]["baseline_bytes"],
-        "step_peak": found["intra"]["step_peak"],
-        "stages": found["intra"]["stages"],
+        "compute_measured": computed,
+        "elements": found[computed]["elements"],
+        "step_seconds": found[computed]["step_seconds"],
+        "baseline_bytes": found[computed]["baseline_bytes"],
+        "step_peak": found[computed]["step_peak"],
+        "stages": found[computed]["stages"],
         "executor": reference,
         **links,
     }

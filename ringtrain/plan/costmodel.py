@@ -30,6 +30,7 @@ from ringtrain.errors import UserError
 from ringtrain.pipeline.costs import LinkModel, predict
 from ringtrain.pipeline.partition import balanced
 from ringtrain.pipeline.schedule import build_schedule
+from ringtrain.pipeline.simulate import simulate
 
 FORMAT = "ringtrain-calibration/1"
 FLOAT_BYTES = 4
@@ -77,15 +78,29 @@ class Calibration:
 
     @property
     def runtime_bytes(self) -> int:
-        """What a rank holds beyond weights, gradients, optimizer state and activations once it
-        has run a step (compiled graphs, kernels' scratch, Horovod's buffers): the measured
-        step's high-water mark less the model's own share at its samples."""
+        """What a data-parallel rank holds beyond weights, gradients, optimizer state and
+        activations once it has run a step (compiled graphs, kernels' scratch, Horovod's
+        buffers): the measured step's high-water mark less the model's own share."""
         added, samples = self.step_peak
         everything = range(len(self.elements))
         model = _weights_bytes(self, everything, False)[0] + _activation_bytes(
             self, everything, samples
         )
         return max(added - model, 0)
+
+    @property
+    def pipeline_runtime_bytes(self) -> int:
+        """The same for a pipeline rank, from the executor's reference runs: the most a rank
+        added there less the fullest stage's own share (the largest over the runs)."""
+        found = 0
+        for ref in self.executor:
+            sim = build_schedule("1f1b", len(ref["bounds"]), ref["microbatches"])
+            own = max(
+                _stage_bytes(self, range(a, b), inflight, ref["microbatch"], False)
+                for (a, b), inflight in zip(ref["bounds"], simulate(sim).peak_inflight, strict=True)
+            )
+            found = max(found, ref["added_bytes"] - own)
+        return found
 
     def step_compute(self, samples: float) -> float:
         return _linear(self.step_seconds, samples)
@@ -182,6 +197,14 @@ def _weights_bytes(cal: Calibration, elements: range, fp16: bool) -> tuple[int, 
     return params * FLOAT_BYTES * (2 + slots), params * (2 if fp16 else FLOAT_BYTES)
 
 
+def _stage_bytes(
+    cal: Calibration, elements: range, inflight: int, microbatch: float, fp16: bool
+) -> int:
+    """A stage's own memory: its state, and its activations for each microbatch in flight."""
+    state = _weights_bytes(cal, elements, fp16)[0]
+    return state + inflight * _activation_bytes(cal, elements, microbatch)
+
+
 def _activation_bytes(cal: Calibration, elements: range, samples: float) -> int:
     per_sample = sum(cal.elements[i].input_floats + cal.elements[i].output_floats for i in elements)
     return int(per_sample * FLOAT_BYTES * samples)
@@ -224,12 +247,13 @@ def predict_pipeline(cal: Calibration, candidate: Candidate, nodes: int, batch: 
     schedule = build_schedule(candidate.schedule, stages, candidate.microbatches)
     sim = predict(schedule, seconds, link, boundary)
     average, peak = 0.0, 0
+    runtime = cal.pipeline_runtime_bytes
     for s, (a, b) in enumerate(bounds):
-        state, grad_bytes = _weights_bytes(cal, range(a, b), candidate.fp16_allreduce)
+        grad_bytes = _weights_bytes(cal, range(a, b), candidate.fp16_allreduce)[1]
         replica_link = cal.link(cal.allreduce, replicas > 1 and nodes > 1)
         average = max(average, allreduce_seconds(replica_link, replicas, grad_bytes))
-        held = sim.peak_inflight[s] * _activation_bytes(cal, range(a, b), microbatch)
-        peak = max(peak, cal.baseline_bytes + cal.runtime_bytes + state + held)
+        own = _stage_bytes(cal, range(a, b), sim.peak_inflight[s], microbatch, False)
+        peak = max(peak, cal.baseline_bytes + runtime + own)
     compute = max(sim.busy)
     step = sim.makespan + average
     exposed = max(step - compute - sim.bubble * sim.makespan, 0.0)

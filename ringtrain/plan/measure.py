@@ -24,6 +24,7 @@ from statistics import median
 import numpy as np
 
 from ringtrain.plan.costmodel import fit_line
+from ringtrain.runtime import resident_bytes
 
 ALLREDUCE_SIZES = (4 << 10, 256 << 10, 4 << 20)
 P2P_SIZES = (64, 64 << 10, 1 << 20)
@@ -121,9 +122,11 @@ def _sample_counts(batch: int) -> tuple[int, int]:
     return max(1, batch // 16), max(2, batch // 2)
 
 
-def _whole_step(spec, optimizer_name: str, batch: int, seed: int, tf) -> list[float]:
+def _whole_step(spec, optimizer_name: str, batch: int, seed: int, hvd, tf) -> tuple[list, int]:
     """A data-parallel step's compute as ringtrain compiles it (forward, backward and the
-    optimizer in one function, no allreduce), fitted as fixed + per sample."""
+    optimizer in one function), fitted as fixed + per sample; and the high-water mark the
+    process reached with it at half the batch and one allreduce of its gradients, read before
+    the second batch size traces a second graph that training would never hold."""
     from ringtrain.models import forward, loss_fn, trainable_variables
 
     elements = spec.build(range(len(spec)), seed)
@@ -137,8 +140,8 @@ def _whole_step(spec, optimizer_name: str, batch: int, seed: int, tf) -> list[fl
         optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables, strict=True))
         return loss
 
-    at = {}
-    for n in _sample_counts(batch):
+    at, peak = {}, 0
+    for n in sorted(_sample_counts(batch), reverse=True):
         x = tf.random.normal((n, *spec.input_shape))
         y = tf.zeros((n,), tf.int32)
         times = []
@@ -147,7 +150,10 @@ def _whole_step(spec, optimizer_name: str, batch: int, seed: int, tf) -> list[fl
             step(x, y).numpy()
             times.append(time.perf_counter() - start)
         at[n] = median(times[1:])
-    return fit_line(at)
+        if not peak:
+            hvd.allreduce(tf.concat([tf.reshape(v, [-1]) for v in variables], 0)).numpy()
+            peak = resident_bytes("VmHWM")
+    return fit_line(at), peak
 
 
 def _allreduce(hvd, tf, grad_bytes: int) -> list[tuple[int, float]]:
@@ -179,7 +185,7 @@ def main(argv: list[str]) -> None:
     from ringtrain.models import BUILTIN
     from ringtrain.pipeline.calibrate import ping_pong
     from ringtrain.pipeline.costs import LinkModel
-    from ringtrain.runtime import resident_bytes, start
+    from ringtrain.runtime import start
     from ringtrain.tensorflow_loader import RESIDENT_AFTER_IMPORT, tf
 
     world = start(with_horovod=True)
@@ -190,12 +196,10 @@ def main(argv: list[str]) -> None:
     report: dict = {"hosts": world.comm.allgather(socket.gethostname())}
     report["baseline_bytes"] = RESIDENT_AFTER_IMPORT
     if args.compute:  # a data-parallel step first, so the high-water mark is its alone
-        report["step_seconds"] = _whole_step(spec, args.optimizer, args.batch_size, args.seed, tf)
-        world.hvd.allreduce(tf.zeros([params]), op=world.hvd.Sum).numpy()
-        report["step_peak"] = [
-            resident_bytes("VmHWM") - RESIDENT_AFTER_IMPORT,
-            _sample_counts(args.batch_size)[1],
-        ]
+        report["step_seconds"], peak = _whole_step(
+            spec, args.optimizer, args.batch_size, args.seed, world.hvd, tf
+        )
+        report["step_peak"] = [peak - RESIDENT_AFTER_IMPORT, _sample_counts(args.batch_size)[1]]
     world.comm.Barrier()
     allreduce = LinkModel.fit(_allreduce(world.hvd, tf, params * 4))
     p2p = ping_pong(Link(world.comm, timeout=60.0), world.rank, P2P_SIZES, tag=7)
