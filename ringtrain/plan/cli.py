@@ -28,6 +28,7 @@ from ringtrain.plan.costmodel import (
     plan,
 )
 
+DEFAULT_CALIBRATION = "calibration.json"
 FINGERPRINT_KEYS = ("cpu_model", "cpus", "tensorflow", "horovod")
 SIZE = re.compile(r"^(\d+(?:\.\d+)?)([KMGT]?)(i?B)?$", re.IGNORECASE)
 
@@ -60,20 +61,25 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks-per-node", type=_positive, default=2)
     p.add_argument("--memory-per-rank", type=_bytes, help="bytes a rank may hold (e.g. 2G)")
     p.add_argument("--grid", help="only the grid DxP (D replicas of P stages)")
-    p.add_argument("--calibration", default="calibration.json", help="the calibration file")
+    p.add_argument(
+        "--calibration",
+        help=f"the calibration file (default {DEFAULT_CALIBRATION}; plan makes it if missing)",
+    )
     p.add_argument("--force", action="store_true", help="accept another machine's calibration")
     p.add_argument("--json", action="store_true", help="the table as JSON")
     p.add_argument("--hosts", help="calibrate: two hosts a,b for the across-node links")
 
 
 def run_plan_command(args: argparse.Namespace) -> int:
-    if args.action == "calibrate":
-        calibrate(
-            args.model, args.dataset, args.optimizer, args.batch_size, args.hosts, args.calibration
-        )
-        print(f"wrote {args.calibration}")
-        return 0
-    cal = load_calibration(args.calibration, args.model, args.dataset, args.force)
+    path = args.calibration or DEFAULT_CALIBRATION
+    if args.action == "calibrate" or (args.calibration is None and not Path(path).exists()):
+        if args.action != "calibrate":
+            print(f"no {path} here: calibrating this node first", flush=True)
+        calibrate(args.model, args.dataset, args.optimizer, args.batch_size, args.hosts, path)
+        print(f"wrote {path}")
+        if args.action == "calibrate":
+            return 0
+    cal = load_calibration(path, args.model, args.dataset, args.force)
     grid = _grid(args.grid, args.nodes * args.ranks_per_node)
     table = plan(cal, args.nodes, args.ranks_per_node, args.batch_size, args.memory_per_rank)
     if grid:

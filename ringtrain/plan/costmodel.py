@@ -11,11 +11,13 @@ calibrations with known answers. The pieces are the ones the rest of ringtrain p
   is how ringtrain's default step runs (one grouped allreduce after the backward); the same
   function gives the bench's limits (`roofline`);
 - pipelines: the schedule replayed by the pipeline simulator with measured costs
-  (pipeline.costs.predict), the replica average of a hybrid grid added after it;
+  (pipeline.costs.predict), each action's cost beyond its compute taken from two short runs of
+  the executor itself (executor_overhead), the replica average of a hybrid grid added after;
 - memory per rank: weights, gradients and optimizer state of the rank's elements, plus
   activations: every element's input and output for each microbatch in flight at the peak the
   schedule reaches (the saved tapes hold at least those), plus the process's baseline after
-  TensorFlow's import and the runtime's own share, both measured (Calibration.runtime_bytes).
+  TensorFlow's import and the runtime's own share, both measured: after a data-parallel step
+  (Calibration.runtime_bytes) and in the executor's reference runs (pipeline_runtime_bytes).
 
 A ring allreduce over D ranks moves 2(D-1)/D of the bytes through each link in 2(D-1) steps.
 Calibration times it at D = 2 as latency + bytes / rate, so each of the steps costs latency/2.
@@ -65,7 +67,7 @@ class Calibration:
     elements: list[ElementCost]
     allreduce: dict[str, LinkModel]  # "intra" (same node) and, if measured, "inter"
     p2p: dict[str, LinkModel]
-    baseline_bytes: int  # a rank's resident set once TensorFlow, MPI and Horovod are loaded
+    baseline_bytes: int  # a rank's resident set right after TensorFlow's import
     step_seconds: tuple[float, float]  # a whole-model compiled step: (fixed s, s per sample)
     step_peak: tuple[int, float]  # (bytes that step added to the high-water mark, its samples)
     # elements [a, b) run as one pipeline stage: op (F, B, BW, STEP) -> (fixed s, s per sample)
