@@ -357,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         (
             "bench",
-            "benchmarks: pipeline, strategies, allreduce, dp, plan (JSON and PNG in benchmarks/results)",
+            "benchmarks: pipeline, strategies, allreduce, dp, plan (JSON, PNG: benchmarks/results)",
             bench.add_bench_arguments,
             bench.run_bench_command,
         ),
