@@ -170,8 +170,8 @@ def run(
 
     from ringtrain.tensorflow_loader import RESIDENT_AFTER_IMPORT
 
-    peak = np.array([resident_bytes("VmHWM"), RESIDENT_AFTER_IMPORT], np.int64)
-    peak[1] = peak[0] - peak[1]
+    high = resident_bytes("VmHWM")
+    peak = np.array([high, high - RESIDENT_AFTER_IMPORT], np.int64)
     world.comm.Allreduce(MPI.IN_PLACE, peak, op=MPI.MAX)
     metrics["peak_resident_bytes"] = int(peak[0])  # the fullest rank's VmHWM
     metrics["peak_resident_above_import_bytes"] = int(peak[1])  # and the most any rank added

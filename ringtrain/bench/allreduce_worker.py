@@ -85,7 +85,7 @@ def _memcpy_seconds(comm, nbytes: int, iters: int) -> float | None:
     return seconds
 
 
-def _horovod(comm, array: np.ndarray) -> Collective:
+def horovod_sum(comm, array: np.ndarray) -> Collective:
     import horovod.tensorflow as hvd
     import tensorflow as tf
 
@@ -124,7 +124,7 @@ def _ring(comm, array: np.ndarray) -> Collective:
 
 
 COLLECTIVES = {
-    "horovod": _horovod,
+    "horovod": horovod_sum,
     "mpi4py Allreduce": mpi_out_of_place,
     "mpi4py Allreduce IN_PLACE": mpi_in_place,
     "ring": _ring,

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from importlib import metadata
 from pathlib import Path
@@ -195,27 +195,37 @@ def deadline(quick: bool) -> float:
     return 420.0 if quick else 2400.0
 
 
-def mpi_env(threads: int) -> dict[str, str]:
-    """Open MPI as root, TensorFlow quiet, every rank's pools sized by ringtrain's rule, and
-    RINGTRAIN_NETWORK (if set) as Open MPI's and Horovod's interface choice."""
+def mpi_env(threads: int | None = None) -> dict[str, str]:
+    """Open MPI as root, TensorFlow quiet, RINGTRAIN_NETWORK (if set) as Open MPI's and
+    Horovod's interface choice, and every rank's pools `threads` wide (None: the caller's
+    RINGTRAIN_THREADS if any, else ringtrain's own rule, as `mpirun ringtrain train` gets)."""
     from ringtrain.launch.network import launcher_environment
 
-    network = launcher_environment()
-    return {**os.environ, **ROOT_OK, **QUIET, **network, "RINGTRAIN_THREADS": str(threads)}
+    chosen = {} if threads is None else {"RINGTRAIN_THREADS": str(threads)}
+    return {**os.environ, **ROOT_OK, **QUIET, **launcher_environment(), **chosen}
 
 
-def mpirun_command(ranks: int, module: str, *args: str, binding: str | None = None) -> list[str]:
+def mpirun_command(
+    ranks: int,
+    module: str,
+    *args: str,
+    binding: str | None = None,
+    placement: Sequence[str] = (),
+    forward_threads: bool = True,
+) -> list[str]:
     """`mpirun` running a Python module in every rank (oversubscription allowed: the benches
     run more ranks than cores on purpose, and say so). binding, if given, is `--bind-to`'s
-    value; without it Open MPI binds as it likes (to a core each for up to 2 ranks)."""
+    value; without it Open MPI binds as it likes (to a core each for up to 2 ranks).
+    placement: host flags (`host_flags`). forward_threads passes RINGTRAIN_THREADS to every
+    rank, remote ones too; leave it off where the variable may be unset (-x warns then)."""
     return [
         "mpirun",
         "--oversubscribe",
         *(binding_flags(binding) if binding else []),
+        *placement,
         "-np",
         str(ranks),
-        "-x",
-        "RINGTRAIN_THREADS",
+        *(["-x", "RINGTRAIN_THREADS"] if forward_threads else []),
         sys.executable,
         "-m",
         module,

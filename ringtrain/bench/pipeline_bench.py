@@ -72,9 +72,14 @@ def _processes(logs: Path, names: list[str], hosts: str | None, batch: int) -> d
     worker = "ringtrain.bench.pipeline_worker"
     placed = host_flags(hosts)  # across hosts: unbound, a node's cores are its own
     ranks = mpirun_command(
-        2, worker, str(batch), "ranks", ",".join(names), binding=None if placed else "core"
+        2,
+        worker,
+        str(batch),
+        "ranks",
+        ",".join(names),
+        binding=None if placed else "core",
+        placement=placed,
     )
-    ranks = [ranks[0], *placed, *ranks[1:]]
     return {
         "pipeline": Process("pipeline ranks", ranks, mpi_env(1), logs),
         SINGLE: Process(

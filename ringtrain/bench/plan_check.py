@@ -16,8 +16,8 @@ from pathlib import Path
 from statistics import median
 
 from ringtrain import log
-from ringtrain.bench.common import host_flags, run_bounded
-from ringtrain.plan.cli import calibrate, launch_env, load_calibration, two_ranks
+from ringtrain.bench.common import host_flags, mpi_env, run_bounded
+from ringtrain.plan.cli import calibrate, load_calibration, two_ranks
 from ringtrain.plan.costmodel import plan
 
 DATASET, OPTIMIZER = "digits", "adam"
@@ -37,7 +37,7 @@ def _train(flags: list[str], args, placement: list[str], folder: Path) -> dict:
     metrics = folder / "metrics.json"
     cmd = two_ranks(placement, "ringtrain.cli", "train", *flags, "--steps", str(args.steps))
     cmd += ["--progress", "none", "--metrics-out", str(metrics)]
-    run_bounded(cmd, launch_env(), 600.0, folder / "train.log", quiet=True)
+    run_bounded(cmd, mpi_env(), 600.0, folder / "train.log", quiet=True)
     done = json.loads(metrics.read_text())
     return {
         "rate": float(done["samples_per_sec"]),

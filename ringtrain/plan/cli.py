@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import re
-import sys
 import tempfile
 from pathlib import Path
 
@@ -224,25 +223,15 @@ def _from_json(doc: dict) -> Calibration:
     )
 
 
-def launch_env() -> dict[str, str]:
-    """The caller's environment as `mpirun ringtrain train` would see it (threads by ringtrain's
-    own rule), with Open MPI allowed as root and RINGTRAIN_NETWORK's interface choice: the
-    calibration and the runs it predicts start alike."""
-    from ringtrain.bench.common import QUIET, ROOT_OK
-    from ringtrain.launch.network import launcher_environment
-
-    return {**os.environ, **ROOT_OK, **QUIET, **launcher_environment()}
-
-
 def two_ranks(placement: list[str], module: str, *args: str) -> list[str]:
     """mpirun starting `python -m module args` in 2 ranks, placed by `placement` (host flags),
-    or bound as Open MPI binds 2 ranks on one node (a core each); RINGTRAIN_THREADS, if set,
-    reaches every rank, remote ones too."""
-    forward = ["-x", "RINGTRAIN_THREADS"] if "RINGTRAIN_THREADS" in os.environ else []
-    return [
-        *["mpirun", "--oversubscribe", *placement, *forward, "-np", "2"],
-        *[sys.executable, "-m", module, *args],
-    ]
+    or bound as Open MPI binds 2 ranks on one node (a core each), with the environment
+    `mpirun ringtrain train` would see (bench.common.mpi_env()): the calibration and the runs
+    it predicts start alike. RINGTRAIN_THREADS, if set, reaches every rank."""
+    from ringtrain.bench.common import mpirun_command
+
+    forward = "RINGTRAIN_THREADS" in os.environ
+    return mpirun_command(2, module, *args, placement=placement, forward_threads=forward)
 
 
 REFERENCE_MICROBATCHES = (2, 8)
@@ -254,7 +243,7 @@ def _executor_reference(
     """Short 2-stage 1F1B runs of the executor itself, placed as the compute was measured, at
     two microbatch sizes: their in-run calibration (each action's host time from the trace)
     shows what an action costs beyond the compute measured alone."""
-    from ringtrain.bench.common import RunFailed, run_bounded
+    from ringtrain.bench.common import RunFailed, mpi_env, run_bounded
 
     runs = []
     for count in REFERENCE_MICROBATCHES:
@@ -263,7 +252,7 @@ def _executor_reference(
         flags += ["--steps", "8", "--progress", "none", "--metrics-out", str(metrics)]
         cmd = two_ranks(placement, "ringtrain.cli", "train", *common, *flags)
         try:
-            run_bounded(cmd, launch_env(), 300.0, tmp / "reference.log", quiet=True)
+            run_bounded(cmd, mpi_env(), 300.0, tmp / "reference.log", quiet=True)
         except RunFailed as err:
             raise UserError(f"calibration of the pipeline executor failed: {err}") from None
         done = json.loads(metrics.read_text())
@@ -287,7 +276,7 @@ def calibrate(
     Compute and the executor's own costs are measured where the jobs will run: across the two
     hosts when given (a rank on each, as the nodes' cores and thread pools are), else here;
     the links inside a node are always measured here, and between nodes across the hosts."""
-    from ringtrain.bench.common import RunFailed, host_flags, run_bounded
+    from ringtrain.bench.common import RunFailed, host_flags, mpi_env, run_bounded
 
     common = ["--model", model, "--dataset", dataset, "--optimizer", optimizer]
     common += ["--batch-size", str(batch)]
@@ -306,7 +295,7 @@ def calibrate(
             cmd = two_ranks(placement, "ringtrain.plan.measure", *common, *extra, "--out", str(out))
             print(f"calibrating {where}-node figures ...", flush=True)
             try:
-                run_bounded(cmd, launch_env(), 300.0, Path(tmp) / f"{where}.log")
+                run_bounded(cmd, mpi_env(), 300.0, Path(tmp) / f"{where}.log")
             except RunFailed as err:
                 raise UserError(f"calibration {where} node failed: {err}") from None
             found[where] = json.loads(out.read_text())

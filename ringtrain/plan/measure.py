@@ -31,27 +31,31 @@ P2P_SIZES = (64, 64 << 10, 1 << 20)
 REPEATS = 8
 
 
-def _elements(spec, batch: int, seed: int, timed: bool) -> list[dict]:
-    """Each element's parameters and per-sample input and output sizes, and if `timed` its
-    F, B, BI and BW seconds as fixed + per sample, timed as the executor's time partition
-    times them (so the planner splits the model where the executor will)."""
+def _elements(spec, seed: int) -> list[dict]:
+    """Each element's parameters and per-sample input and output sizes."""
+    shapes = spec.shapes()
+    return [
+        {
+            "params": sum(int(np.prod(v.shape)) for v in element.trainable_weights),
+            "input_floats": int(np.prod(shapes[i])),
+            "output_floats": int(np.prod(shapes[i + 1])),
+        }
+        for i, element in enumerate(spec.build(range(len(spec)), seed))
+    ]
+
+
+def _element_seconds(spec, batch: int, seed: int) -> list[dict]:
+    """Each element's F, B, BI and BW seconds as fixed + per sample, timed as the executor's
+    time partition times them (so the planner splits the model where the executor will)."""
     from ringtrain.pipeline.engine import time_element
 
     shapes = spec.shapes()
     found = []
     for i in range(len(spec)):
         element = spec.build([i], seed)[0]
-        found.append(
-            {
-                "params": sum(int(np.prod(v.shape)) for v in element.trainable_weights),
-                "input_floats": int(np.prod(shapes[i])),
-                "output_floats": int(np.prod(shapes[i + 1])),
-            }
-        )
-        if timed:
-            at = {n: time_element(element, (n, *shapes[i])) for n in _sample_counts(batch)}
-            ops = next(iter(at.values()))
-            found[-1]["seconds"] = {op: fit_line({n: at[n][op] for n in at}) for op in ops}
+        at = {n: time_element(element, (n, *shapes[i])) for n in _sample_counts(batch)}
+        ops = next(iter(at.values()))
+        found.append({op: fit_line({n: at[n][op] for n in at}) for op in ops})
     return found
 
 
@@ -156,17 +160,16 @@ def _whole_step(spec, optimizer_name: str, batch: int, seed: int, hvd, tf) -> tu
     return fit_line(at), peak
 
 
-def _allreduce(hvd, tf, grad_bytes: int) -> list[tuple[int, float]]:
-    samples = []
-    for nbytes in sorted({*ALLREDUCE_SIZES, max(grad_bytes, 4)}):
-        tensor = tf.ones([nbytes // 4], tf.float32)
-        times = []
-        for _ in range(REPEATS + 1):  # the first negotiates and allocates
-            start = time.perf_counter()
-            hvd.allreduce(tensor, op=hvd.Sum).numpy()
-            times.append(time.perf_counter() - start)
-        samples.append((nbytes, median(times[1:])))
-    return samples
+def _allreduce(comm, grad_bytes: int) -> list[tuple[int, float]]:
+    """(bytes, seconds) of Horovod's allreduce at each size, as `bench allreduce` times it:
+    the slowest rank's mean over REPEATS calls, after a first that negotiates."""
+    from ringtrain.bench.allreduce_worker import horovod_sum, slowest_rank_seconds
+
+    sizes = sorted({*ALLREDUCE_SIZES, max(grad_bytes, 4)})
+    return [
+        (n, slowest_rank_seconds(comm, horovod_sum(comm, np.ones(n // 4, np.float32)), REPEATS))
+        for n in sizes
+    ]
 
 
 def main(argv: list[str]) -> None:
@@ -191,7 +194,7 @@ def main(argv: list[str]) -> None:
     world = start(with_horovod=True)
     data = load_dataset(args.dataset, args.seed)
     spec = BUILTIN[args.model](data.input_shape, data.n_classes)
-    elements = _elements(spec, args.batch_size, args.seed, timed=False)
+    elements = _elements(spec, args.seed)
     params = sum(e["params"] for e in elements)
     report: dict = {"hosts": world.comm.allgather(socket.gethostname())}
     report["baseline_bytes"] = RESIDENT_AFTER_IMPORT
@@ -201,11 +204,15 @@ def main(argv: list[str]) -> None:
         )
         report["step_peak"] = [peak - RESIDENT_AFTER_IMPORT, _sample_counts(args.batch_size)[1]]
     world.comm.Barrier()
-    allreduce = LinkModel.fit(_allreduce(world.hvd, tf, params * 4))
+    allreduce = LinkModel.fit(_allreduce(world.comm, params * 4))
     p2p = ping_pong(Link(world.comm, timeout=60.0), world.rank, P2P_SIZES, tag=7)
     report["allreduce"], report["p2p"] = allreduce.to_json(), p2p.to_json()
-    report["elements"] = _elements(spec, args.batch_size, args.seed, timed=args.compute)
-    if args.compute:
+    report["elements"] = elements
+    if args.compute:  # after the step's high-water mark was read
+        for element, seconds in zip(
+            elements, _element_seconds(spec, args.batch_size, args.seed), strict=True
+        ):
+            element["seconds"] = seconds
         report["stages"] = _stage_ranges(spec, args.optimizer, args.batch_size, args.seed, tf)
     if world.rank == 0:
         with open(args.out, "w") as out:
