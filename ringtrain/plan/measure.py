@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 import time
 from statistics import median
@@ -185,6 +184,7 @@ def main(argv: list[str]) -> None:
 
     from ringtrain.comm import Link
     from ringtrain.data import load_dataset
+    from ringtrain.heartbeat import gather_hosts
     from ringtrain.models import BUILTIN
     from ringtrain.pipeline.calibrate import ping_pong
     from ringtrain.pipeline.costs import LinkModel
@@ -196,7 +196,7 @@ def main(argv: list[str]) -> None:
     spec = BUILTIN[args.model](data.input_shape, data.n_classes)
     elements = _elements(spec, args.seed)
     params = sum(e["params"] for e in elements)
-    report: dict = {"hosts": world.comm.allgather(socket.gethostname())}
+    report: dict = {"hosts": gather_hosts(world.comm)}
     report["baseline_bytes"] = RESIDENT_AFTER_IMPORT
     if args.compute:  # a data-parallel step first, so the high-water mark is its alone
         report["step_seconds"], peak = _whole_step(
