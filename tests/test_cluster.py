@@ -14,7 +14,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -415,8 +417,9 @@ def test_down_removes_every_namespace_link_process_and_line_up_created(shared):
 
 
 def test_down_after_a_crashed_up_finds_what_it_created_by_name():
-    """The state file lost (as if `up` was killed): a new `up` is refused, `down` still
-    removes everything by its rtc- names and /etc/hosts marker."""
+    """The state file lost (as if `up` was killed): a new `up` is refused while the nodes'
+    processes run, `down` still removes everything by its rtc- names and /etc/hosts marker.
+    Once every process of it is dead too (its session killed), the next `up` removes it."""
     require_root()
     bring_up("--nodes", "2")
     try:
@@ -424,6 +427,15 @@ def test_down_after_a_crashed_up_finds_what_it_created_by_name():
         (STATE / "state.json").unlink()
         done = cluster("up", "--nodes", "2")
         assert done.returncode == 2 and "leftovers of an earlier cluster" in done.stderr, done
+        for pid in on_nodes:
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while any(alive(pid) for pid in on_nodes) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        done = cluster("up", "--nodes", "2")
+        assert done.returncode == 0, done.stderr
+        assert "removed an abandoned cluster" in done.stderr, done.stderr
+        on_nodes = processes_on_nodes()
     finally:
         done = cluster("down")
     assert done.returncode == 0, done.stderr

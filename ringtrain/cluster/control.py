@@ -8,6 +8,7 @@ ssh drop-in and the /etc/hosts lines.
 
 from __future__ import annotations
 
+import fcntl
 import ipaddress
 import json
 import os
@@ -15,6 +16,8 @@ import shutil
 import socket
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -54,6 +57,7 @@ SLURM_ROOT = STATE_DIR / "slurm"
 MPIRUN_HOSTFILE = STATE_DIR / "hostfile.mpirun"
 HOROVOD_HOSTFILE = STATE_DIR / "hostfile.horovod"
 ENV_FILE = STATE_DIR / "env.sh"
+UP_LOCK = STATE_DIR.with_name("ringtrain-cluster.lock")  # held by `up` while it creates
 TBF_BURST = "256kb"  # a token bucket deep enough for Gbit rates at the kernel's timer tick
 TBF_LATENCY = "10ms"
 NETWORK_TOOLS = ("ip", "tc", "nsenter", "unshare", "taskset", "ssh", "ssh-keygen")
@@ -103,6 +107,24 @@ def up(nodes: int, subnet: str, link: str | None, cpus_per_node: int, slurm: boo
         raise UserError(f"no {ssh.SSHD}: install openssh-server")
     if slurm:
         require_tools(SLURM_TOOLS, "install slurmctld slurmd slurm-client munge")
+    with _up_lock():
+        return _create(layout, nodes, subnet, link, cpus_per_node, slurm)
+
+
+@contextmanager
+def _up_lock() -> Iterator[None]:
+    """One `up` at a time, so a cluster still being created is never taken for abandoned."""
+    with open(UP_LOCK, "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError("another `ringtrain cluster up` is running") from None
+        yield
+
+
+def _create(
+    layout: Layout, nodes: int, subnet: str, link: str | None, cpus_per_node: int, slurm: bool
+) -> Spec:
     refuse_if_up()
     _refuse_overlapping_routes(layout.subnet)
     venv_bin = str(Path(sys.executable).parent)
@@ -118,10 +140,7 @@ def up(nodes: int, subnet: str, link: str | None, cpus_per_node: int, slurm: boo
         node_path,
         created_privsep_dir=not ssh.PRIVSEP_DIR.exists(),
     )
-    try:
-        STATE_DIR.mkdir(parents=True)
-    except FileExistsError:  # another `up` got there between the check and now
-        raise UserError("another `ringtrain cluster up` is running or just finished") from None
+    STATE_DIR.mkdir(parents=True)
     STATE_FILE.write_text(json.dumps(asdict(spec), indent=1))
     try:
         _create_network(layout)
@@ -144,19 +163,31 @@ def up(nodes: int, subnet: str, link: str | None, cpus_per_node: int, slurm: boo
 
 
 def refuse_if_up() -> None:
-    """One cluster at a time: its names are fixed (node1.., the rtc- devices)."""
+    """One cluster at a time: its names are fixed (node1.., the rtc- devices). A cluster none
+    of whose processes runs was abandoned (its session was killed with everything it
+    started): it is removed, with a notice, rather than blocking every later `up`."""
+    leftovers = _netns_names() + _link_names()
+    if not (leftovers or STATE_DIR.exists() or host_lines(HOSTS_MARKER)):
+        return
+    if not _cluster_processes():
+        removed = down()
+        print(
+            "ringtrain cluster: removed an abandoned cluster, none of whose processes ran: "
+            + "; ".join(removed),
+            file=sys.stderr,
+            flush=True,
+        )
+        return
     if STATE_FILE.exists():
         spec = read_spec()
         raise UserError(
             f"a cluster is already up ({spec.nodes} nodes on {spec.subnet}): use it, or run "
             "`ringtrain cluster down` first"
         )
-    leftovers = _netns_names() + _link_names()
-    if leftovers or STATE_DIR.exists() or host_lines(HOSTS_MARKER):
-        raise UserError(
-            f"leftovers of an earlier cluster ({', '.join(leftovers) or STATE_DIR}): "
-            "run `ringtrain cluster down` first"
-        )
+    raise UserError(
+        f"leftovers of an earlier cluster ({', '.join(leftovers) or STATE_DIR}): "
+        "run `ringtrain cluster down` first"
+    )
 
 
 def _refuse_overlapping_routes(subnet: ipaddress.IPv4Network) -> None:
@@ -357,8 +388,7 @@ def down() -> list[str]:
         SlurmCluster(os.environ, SLURM_ROOT, nodes).stop()
         removed.append("Slurm daemons and jobs")
     namespaces = _netns_names()
-    pids = [pid for ns in namespaces for pid in netns_pids(ns)]
-    pids += _daemons_under_state_dir()
+    pids = _cluster_processes()
     if pids:
         end_processes(pids)
         removed.append(f"{len(set(pids))} processes")
@@ -398,6 +428,11 @@ def _link_names() -> list[str]:
         if name.startswith(PREFIX):
             names.append(name)
     return names
+
+
+def _cluster_processes() -> list[int]:
+    """Every live process of a cluster: those in its nodes, and its daemons on this host."""
+    return [pid for ns in _netns_names() for pid in netns_pids(ns)] + _daemons_under_state_dir()
 
 
 def _daemons_under_state_dir() -> list[int]:
