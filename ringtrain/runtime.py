@@ -33,7 +33,16 @@ def default_threads(local_size: int) -> int:
     for name in ("RINGTRAIN_THREADS", "SLURM_CPUS_PER_TASK"):
         if os.environ.get(name, "").isdigit():
             return max(1, int(os.environ[name]))
-    return max(1, (os.cpu_count() or 1) // max(1, local_size))
+    return max(1, int(cores_per_rank(local_size)))
+
+
+def cores_per_rank(local_size: int) -> float:
+    """This rank's share of the cores it may run on. A bound rank (mpirun's binding, a
+    rehearsal node's taskset, a Slurm cgroup) owns its whole mask; an unbound one shares the
+    machine with its node's other ranks."""
+    mine = len(os.sched_getaffinity(0))
+    unbound = mine >= (os.cpu_count() or 1)
+    return mine / max(1, local_size) if unbound else mine
 
 
 def inter_op_threads(threads: int, with_horovod: bool) -> int:
@@ -58,10 +67,7 @@ def default_cycle_time(local_size: int) -> str:
     node) a short cycle takes the compute's core: at 0.1 ms a step of `bench dp`'s heavy CNN
     took 2.1x its compute here, at 5 ms 1.4x. With a core to spare, 0.1 ms cuts a small
     allreduce's latency (3.8 ms at 1 ms; 0.46 ms at 0.1 ms)."""
-    mine = len(os.sched_getaffinity(0))
-    unbound = mine >= (os.cpu_count() or 1)
-    cores_per_rank = mine / max(1, local_size) if unbound else mine
-    return "0.1" if cores_per_rank >= 2 else "5"
+    return "0.1" if cores_per_rank(local_size) >= 2 else "5"
 
 
 def resident_bytes(field: str = "VmRSS") -> int:

@@ -7,7 +7,7 @@ import subprocess
 import pytest
 from conftest import BIN, ENV, ROOT
 
-from ringtrain import quiet
+from ringtrain import quiet, runtime
 from ringtrain.config import TrainConfig, validate
 from ringtrain.errors import UserError
 from ringtrain.pipeline import partition
@@ -102,3 +102,22 @@ def test_quiet_holds_back_only_absl_notices_below_the_level():
         b"E1130 12:00:00.000000  123 y.cc:45] an error\na line of one's own\n"
     )
     assert quiet.kept(notices, 3) == b"a line of one's own\n"
+
+
+@pytest.mark.parametrize(
+    "mask, local_size, threads, cycle",
+    [
+        ({0}, 1, 1, "5"),  # bound to one core (a one-core node): one thread, not the machine's two
+        ({0, 1}, 1, 2, "0.1"),  # unbound and alone: both cores
+        ({0, 1}, 2, 1, "5"),  # unbound, two ranks on the node: a core each
+    ],
+)
+def test_threads_and_cycle_follow_the_cores_a_rank_may_run_on(
+    monkeypatch, mask, local_size, threads, cycle
+):
+    monkeypatch.delenv("RINGTRAIN_THREADS", raising=False)
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
+    monkeypatch.setattr(runtime.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda pid: mask)
+    assert runtime.default_threads(local_size) == threads
+    assert runtime.default_cycle_time(local_size) == cycle
