@@ -108,7 +108,41 @@ def up(nodes: int, subnet: str, link: str | None, cpus_per_node: int, slurm: boo
     if slurm:
         require_tools(SLURM_TOOLS, "install slurmctld slurmd slurm-client munge")
     with _up_lock():
-        return _create(layout, nodes, subnet, link, cpus_per_node, slurm)
+        refuse_if_up()
+        _refuse_overlapping_routes(layout.subnet)
+        venv_bin = str(Path(sys.executable).parent)
+        path = os.environ.get("PATH", "")
+        node_path = path if venv_bin in path.split(os.pathsep) else f"{venv_bin}:{path}"
+        spec = Spec(
+            nodes,
+            subnet,
+            link,
+            cpus_per_node,
+            slurm,
+            sorted(os.sched_getaffinity(0)),
+            node_path,
+            created_privsep_dir=not ssh.PRIVSEP_DIR.exists(),
+        )
+        STATE_DIR.mkdir(parents=True)
+        STATE_FILE.write_text(json.dumps(asdict(spec), indent=1))
+        try:
+            _create_network(layout)
+            add_host_lines([f"{n.address} {n.name}" for n in layout.nodes], HOSTS_MARKER)
+            ssh.write_keys_and_configs(layout, node_path)
+            ssh.PRIVSEP_DIR.mkdir(mode=0o755, exist_ok=True)
+            for node in layout.nodes:
+                start_sshd(node)
+            for node in layout.nodes:
+                wait_for_ssh(node)
+            cluster = _start_slurm(layout) if slurm else None
+            _write_hostfiles_and_env(layout, cluster)
+        except (ClusterError, SlurmError, OSError) as exc:
+            down()
+            raise ClusterError(f"up failed, and everything it created was removed: {exc}") from None
+        except BaseException:
+            down()
+            raise
+        return spec
 
 
 @contextmanager
@@ -122,54 +156,15 @@ def _up_lock() -> Iterator[None]:
         yield
 
 
-def _create(
-    layout: Layout, nodes: int, subnet: str, link: str | None, cpus_per_node: int, slurm: bool
-) -> Spec:
-    refuse_if_up()
-    _refuse_overlapping_routes(layout.subnet)
-    venv_bin = str(Path(sys.executable).parent)
-    path = os.environ.get("PATH", "")
-    node_path = path if venv_bin in path.split(os.pathsep) else f"{venv_bin}:{path}"
-    spec = Spec(
-        nodes,
-        subnet,
-        link,
-        cpus_per_node,
-        slurm,
-        sorted(os.sched_getaffinity(0)),
-        node_path,
-        created_privsep_dir=not ssh.PRIVSEP_DIR.exists(),
-    )
-    STATE_DIR.mkdir(parents=True)
-    STATE_FILE.write_text(json.dumps(asdict(spec), indent=1))
-    try:
-        _create_network(layout)
-        add_host_lines([f"{n.address} {n.name}" for n in layout.nodes], HOSTS_MARKER)
-        ssh.write_keys_and_configs(layout, node_path)
-        ssh.PRIVSEP_DIR.mkdir(mode=0o755, exist_ok=True)
-        for node in layout.nodes:
-            start_sshd(node)
-        for node in layout.nodes:
-            wait_for_ssh(node)
-        cluster = _start_slurm(layout) if slurm else None
-        _write_hostfiles_and_env(layout, cluster)
-    except (ClusterError, SlurmError, OSError) as exc:
-        down()
-        raise ClusterError(f"up failed, and everything it created was removed: {exc}") from None
-    except BaseException:
-        down()
-        raise
-    return spec
-
-
 def refuse_if_up() -> None:
     """One cluster at a time: its names are fixed (node1.., the rtc- devices). A cluster none
     of whose processes runs was abandoned (its session was killed with everything it
     started): it is removed, with a notice, rather than blocking every later `up`."""
-    leftovers = _netns_names() + _link_names()
+    namespaces = _netns_names()
+    leftovers = namespaces + _link_names()
     if not (leftovers or STATE_DIR.exists() or host_lines(HOSTS_MARKER)):
         return
-    if not _cluster_processes():
+    if not _cluster_processes(namespaces):
         removed = down()
         print(
             "ringtrain cluster: removed an abandoned cluster, none of whose processes ran: "
@@ -388,7 +383,7 @@ def down() -> list[str]:
         SlurmCluster(os.environ, SLURM_ROOT, nodes).stop()
         removed.append("Slurm daemons and jobs")
     namespaces = _netns_names()
-    pids = _cluster_processes()
+    pids = _cluster_processes(namespaces)
     if pids:
         end_processes(pids)
         removed.append(f"{len(set(pids))} processes")
@@ -430,9 +425,10 @@ def _link_names() -> list[str]:
     return names
 
 
-def _cluster_processes() -> list[int]:
-    """Every live process of a cluster: those in its nodes, and its daemons on this host."""
-    return [pid for ns in _netns_names() for pid in netns_pids(ns)] + _daemons_under_state_dir()
+def _cluster_processes(namespaces: list[str]) -> list[int]:
+    """Every live process of a cluster: those in its nodes' namespaces, and its daemons on
+    this host."""
+    return [pid for ns in namespaces for pid in netns_pids(ns)] + _daemons_under_state_dir()
 
 
 def _daemons_under_state_dir() -> list[int]:
