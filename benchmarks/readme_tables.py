@@ -23,6 +23,13 @@ def _range(entry: dict, metric: str, fmt: str = ".0f") -> str:
     )
 
 
+def machine(facts: dict) -> str:
+    """The cores and CPU, and what a hypervisor took of them while the bench ran."""
+    text = f"{facts['cpus']} cores ({facts['cpu_model']})"
+    steal = facts.get("cpu_steal_fraction")
+    return text if steal is None else f"{text}, {steal:.1%} of CPU time stolen by the hypervisor"
+
+
 def _mode(report: dict) -> str:
     return " (quick mode)" if report["quick"] else ""
 
@@ -49,8 +56,8 @@ def pipeline_table(report: dict) -> str:
     met = ", ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in report["targets"].items())
     facts, work = report["machine"], report["workload"]
     intro = (
-        f"`ringtrain bench pipeline`, {report['setting']}, on {facts['cpus']} cores "
-        f"({facts['cpu_model']}): {work['model']} on synthetic "
+        f"`ringtrain bench pipeline`, {report['setting']}, on {machine(facts)}: "
+        f"{work['model']} on synthetic "
         f"{'×'.join(map(str, work['input']))}, global batch {work['global_batch']}, P=2 ranks "
         f"of one thread each (bound to a core each), against one process with one thread (one "
         f"core) and with two (both cores); medians of {report['rounds']} alternating rounds of "
@@ -123,7 +130,7 @@ def strategies_table(report: dict) -> str:
     failed = [f"{name} did not run: {why}." for name, why in report["failures"].items()]
     facts, w = report["machine"], report["workload"]
     intro = (
-        f"`ringtrain bench strategies` on {facts['cpus']} cores ({facts['cpu_model']}), "
+        f"`ringtrain bench strategies` on {machine(facts)}, "
         f"TensorFlow {facts['tensorflow']}: CNN on synthetic {'×'.join(map(str, w['input']))}, "
         f"global batch {w['global_batch']}, {w['optimizer']}, {report['steps_per_measurement']} "
         f"steps per turn, {report['rounds']} alternating rounds{_mode(report)}. "
@@ -172,7 +179,7 @@ def allreduce_table(report: dict) -> str:
     facts = report["machine"]
     memcpy = f"memcpy (np.copyto of twice the last-level cache, one rank): {', '.join(copies)}"
     intro = (
-        f"`ringtrain bench allreduce` on {facts['cpus']} cores ({facts['cpu_model']}), "
+        f"`ringtrain bench allreduce` on {machine(facts)}, "
         f"{facts['mpi']}, Horovod {facts['horovod']}: float32 sums, GB/s (median, min–max over "
         f"{report['rounds']} alternating rounds){_mode(report)}. Bus bandwidth is "
         "size/time × 2(N−1)/N. Ratios are medians of per-round ratios to the faster MPI call "
@@ -232,7 +239,7 @@ def dp_table(report: dict) -> str:
     facts = report["machine"]
     intro = (
         f"`ringtrain bench dp`, {report['setting']}, 2 ranks of one thread on "
-        f"{facts['cpus']} cores ({facts['cpu_model']}), link "
+        f"{machine(facts)}, link "
         f"{report['workloads'][0]['link_mb_s']:.0f} MB/s measured: ms per step, medians of "
         f"{report['rounds']} alternating rounds of "
         f"{report['steps_per_round']} steps{_mode(report)}. Efficiency is single / (2 × "
@@ -248,8 +255,8 @@ def dp_table(report: dict) -> str:
 def plan_table(report: dict) -> str:
     facts = report["machine"]
     parts = [
-        f"`ringtrain bench plan`, {report['setting']}, on {facts['cpus']} cores "
-        f"({facts['cpu_model']}): every 2-rank configuration `ringtrain plan` ranks, each run "
+        f"`ringtrain bench plan`, {report['setting']}, on {machine(facts)}: every 2-rank "
+        "configuration `ringtrain plan` ranks, each run "
         f"through `ringtrain train` ({report['steps_per_run']} steps, global batch "
         f"{report['global_batch']}, Adam) in {report['rounds']} alternating rounds; medians. "
         "Memory is what the fullest rank added to its high-water mark (VmHWM) after "

@@ -55,19 +55,22 @@ def inter_op_threads(threads: int, with_horovod: bool) -> int:
 
 
 def tune_environment(local_size: int) -> None:
-    """Defaults for a node that ranks fill; every value can be overridden by the environment."""
-    if local_size >= (os.cpu_count() or 1):
+    """Defaults for a rank without a core to spare (bound to one core, or ranks filling the
+    node), where MPI's waiting takes the compute's core; the environment overrides each."""
+    spare_core = cores_per_rank(local_size) >= 2
+    if not spare_core:
         os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
-    os.environ.setdefault("HOROVOD_CYCLE_TIME", default_cycle_time(local_size))
+    os.environ.setdefault("HOROVOD_CYCLE_TIME", default_cycle_time(spare_core))
 
 
-def default_cycle_time(local_size: int) -> str:
-    """Milliseconds between Horovod's coordination rounds. Each round is a collective that
-    busy-polls, so without a core to spare (a rank bound to one core, or ranks filling the
-    node) a short cycle takes the compute's core: at 0.1 ms a step of `bench dp`'s heavy CNN
-    took 2.1x its compute here, at 5 ms 1.4x. With a core to spare, 0.1 ms cuts a small
-    allreduce's latency (3.8 ms at 1 ms; 0.46 ms at 0.1 ms)."""
-    return "0.1" if cores_per_rank(local_size) >= 2 else "5"
+def default_cycle_time(spare_core: bool) -> str:
+    """Milliseconds between Horovod's coordination rounds. Without a spare core a short cycle
+    takes the compute's core, and a long one delays every allreduce by up to a cycle: with
+    MPI yielding, a plain Horovod step of `bench dp`'s heavy CNN here cost 2.1 ms over its
+    compute at 0.5 ms, 2.1 at 1, 3.5 at 2 and 5.9 at 5 across two one-core nodes (-0.7, 1.7
+    and 5.4 at 1, 2 and 5 on one host). With a core to spare, 0.1 ms cuts a small
+    allreduce's latency further."""
+    return "0.1" if spare_core else "1"
 
 
 def resident_bytes(field: str = "VmRSS") -> int:

@@ -160,6 +160,14 @@ def test_bench_strategies_quick(tmp_path):
     assert tuning["chosen"]["implementation"] in ("RING", "AUTO")
     assert report["threads"]["mwms tuned worker"]["inter_op"] == tuning["chosen"]["inter_op"]
     assert "asynchronous" in report["notes"][PS].lower()
+    assert 0 <= report["machine"]["cpu_steal_fraction"] < 1  # /proc/stat is read on Linux
+
+
+def test_steal_fraction_is_the_stolen_share_of_the_ticks_between_readings():
+    from ringtrain.bench.common import steal_fraction
+
+    assert steal_fraction((10, 1000), (15, 1100)) == pytest.approx(0.05)
+    assert steal_fraction((0, 0), (0, 0)) is None  # nothing read: no claim
 
 
 @pytest.mark.mpi

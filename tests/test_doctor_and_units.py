@@ -105,19 +105,26 @@ def test_quiet_holds_back_only_absl_notices_below_the_level():
 
 
 @pytest.mark.parametrize(
-    "mask, local_size, threads, cycle",
+    "mask, local_size, threads, cycle, mpi_yields",
     [
-        ({0}, 1, 1, "5"),  # bound to one core (a one-core node): one thread, not the machine's two
-        ({0, 1}, 1, 2, "0.1"),  # unbound and alone: both cores
-        ({0, 1}, 2, 1, "5"),  # unbound, two ranks on the node: a core each
+        ({0}, 1, 1, "1", "1"),  # bound to one core (a one-core node): one thread, not two
+        ({0, 1}, 1, 2, "0.1", None),  # unbound and alone: both cores, one to spare
+        ({0, 1}, 2, 1, "1", "1"),  # unbound, two ranks on the node: a core each
     ],
 )
-def test_threads_and_cycle_follow_the_cores_a_rank_may_run_on(
-    monkeypatch, mask, local_size, threads, cycle
+def test_threads_cycle_and_yield_follow_the_cores_a_rank_may_run_on(
+    monkeypatch, mask, local_size, threads, cycle, mpi_yields
 ):
-    monkeypatch.delenv("RINGTRAIN_THREADS", raising=False)
-    monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
+    for name in (
+        "RINGTRAIN_THREADS",
+        "SLURM_CPUS_PER_TASK",
+        "HOROVOD_CYCLE_TIME",
+        "OMPI_MCA_mpi_yield_when_idle",
+    ):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(runtime.os, "cpu_count", lambda: 2)
     monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda pid: mask)
     assert runtime.default_threads(local_size) == threads
-    assert runtime.default_cycle_time(local_size) == cycle
+    runtime.tune_environment(local_size)
+    assert runtime.os.environ["HOROVOD_CYCLE_TIME"] == cycle
+    assert runtime.os.environ.get("OMPI_MCA_mpi_yield_when_idle") == mpi_yields

@@ -120,12 +120,13 @@ def run_bench_command(args: argparse.Namespace) -> int:
     args.rounds = args.rounds or (3 if args.quick else full_rounds)
     _prepare_outputs(args)
     bench = importlib.import_module(module_name)
-    started = time.perf_counter()
+    started, cpu_before = time.perf_counter(), cpu_ticks()
     try:
         result = bench.measure(args)
     except RunFailed as exc:
         raise ProblemsFound(str(exc)) from None
-    result |= {"machine": machine_facts(), "quick": args.quick, "png": args.png}
+    facts = machine_facts() | {"cpu_steal_fraction": steal_fraction(cpu_before, cpu_ticks())}
+    result |= {"machine": facts, "quick": args.quick, "png": args.png}
     result["wall_seconds"] = time.perf_counter() - started
     write_json(args.out, result)
     bench.draw(result, args.png)
@@ -160,6 +161,23 @@ def _cpu_model() -> str:
     except OSError:
         return platform.processor()
     return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "")
+
+
+def cpu_ticks() -> tuple[int, int]:
+    """The machine's (stolen, total) CPU ticks so far, from /proc/stat ((0, 0) elsewhere)."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(v) for v in stat.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return 0, 0
+    return fields[7], sum(fields)
+
+
+def steal_fraction(before: tuple[int, int], after: tuple[int, int]) -> float | None:
+    """The share of CPU time a hypervisor gave other guests between two readings: on a
+    virtual machine it slows contenders unevenly, so a report states it."""
+    total = after[1] - before[1]
+    return (after[0] - before[0]) / total if total > 0 else None
 
 
 def machine_facts() -> dict:
