@@ -45,6 +45,7 @@ SETTINGS = {
     "HOROVOD_CYCLE_TIME",
     "HOROVOD_FUSION_THRESHOLD",
     "OMPI_MCA_mpi_yield_when_idle",
+    "RINGTRAIN_HOROVOD_NICE",
     "RINGTRAIN_THREADS",
 }
 

@@ -435,6 +435,7 @@ SETTINGS = (  # environment that changes the numbers, as the measured processes 
     "HOROVOD_CYCLE_TIME",
     "HOROVOD_FUSION_THRESHOLD",
     "OMPI_MCA_mpi_yield_when_idle",
+    "RINGTRAIN_HOROVOD_NICE",
     "RINGTRAIN_THREADS",
 )
 
@@ -495,7 +496,9 @@ def horovod_running(comm) -> Iterator[object]:
     CPU from whichever contender runs meanwhile."""
     import horovod.tensorflow as hvd
 
-    hvd.init(comm=comm)
+    from ringtrain.runtime import init_horovod
+
+    init_horovod(hvd, comm)
     try:
         yield hvd
     finally:

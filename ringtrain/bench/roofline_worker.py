@@ -247,7 +247,7 @@ def measure(workload: Workload, rounds: int, steps: int, out: str, turns: Turns)
                     for k, v in allreduce_ms(world.comm, grad_bytes, 5).items()
                 }
             elif name == "plain Horovod":  # as a Horovod user runs it: Horovod's defaults
-                stock = horovod_settings(HOROVOD_CYCLE_TIME=users_cycle)
+                stock = horovod_settings(HOROVOD_CYCLE_TIME=users_cycle, RINGTRAIN_HOROVOD_NICE="0")
                 with stock, horovod_running(world.comm):
                     row[name] = timed_steps(plain, stream)
             else:
