@@ -14,6 +14,7 @@ from ringtrain.errors import UserError
 from ringtrain.pipeline.calibrate import stage_seconds
 from ringtrain.pipeline.costs import LinkModel, predict
 from ringtrain.pipeline.generators import SCHEDULES
+from ringtrain.pipeline.interpreter import interpret
 from ringtrain.pipeline.ir import (
     Action,
     Schedule,
@@ -21,10 +22,10 @@ from ringtrain.pipeline.ir import (
     schedule_from_json,
     schedule_to_json,
 )
-from ringtrain.pipeline.lower import naive_lowering
+from ringtrain.pipeline.lower import naive_lowering, send_when_made
 from ringtrain.pipeline.schedule import build_schedule, load_schedule_file
-from ringtrain.pipeline.simulate import SimResult, simulate
-from ringtrain.pipeline.trace import OPS
+from ringtrain.pipeline.simulate import SimResult, simulate, unit_cost
+from ringtrain.pipeline.trace import OPS, measured_step_seconds
 from ringtrain.pipeline.validate import validate
 
 REPO = Path(__file__).resolve().parents[1]
@@ -158,6 +159,22 @@ def test_1f1b_lowering_at_2_stages_sends_where_the_peer_needs_it_then_reduces_an
         "0F0 0SA0 0F1 0RG0 0SA1 0B0 0F2 0RG1 0SA2 0B1 0F3 0RG2 0SA3 0B2 0RG3 0B3 0REDUCE 0STEP",
         "1RA0 1F0 1B0 1SG0 1RA1 1F1 1B1 1SG1 1RA2 1F2 1B2 1SG2 1RA3 1F3 1B3 1SG3 1REDUCE 1STEP",
     ]
+
+
+def test_early_sends_keep_every_action_and_run_with_buffered_sends_everywhere():
+    """What the executor runs with Isend: each send right after the computation that made its
+    tensor, the rest of every list in its order, runnable without blocking sends; at 2
+    stages 1F1B's stage 0 no longer holds activation i + 1 back until gradient i arrives."""
+    for kind, p, m, v in every_generated_schedule():
+        schedule = built(kind, p, m, v)[0]
+        early = send_when_made(schedule)
+        for row, moved in zip(schedule.actions, early.actions, strict=True):
+            assert sorted(map(str, row)) == sorted(map(str, moved))
+            rest = [a for a in row if not a.op.startswith("SEND_")]
+            assert rest == [a for a in moved if not a.op.startswith("SEND_")]
+        interpret(early.stage_ranks, early.actions, unit_cost(early.stage_ranks), blocking=False)
+    rank0 = " ".join(str(a) for a in send_when_made(built("1f1b", 2, 4)[0]).actions[0])
+    assert rank0.startswith("0F0 0SA0 0F1 0SA1 0RG0 0B0 0F2 0SA2 0RG1")
 
 
 def test_zb_h1_sends_the_gradient_after_bi_and_reduces_after_the_last_bw():
@@ -443,6 +460,21 @@ def test_calibration_takes_each_stage_s_action_times_over_the_steps_asked():
         ]
     )
     assert stage_seconds(receives, [1]) == {(1, "RECV_ACT"): 0.25, (0, "RECV_GRAD"): 0.25}
+
+
+def test_a_measured_step_starts_at_its_first_computation_as_the_simulated_one_does():
+    """Stage 1 posts its first receive (at 0) while stage 0 still finishes the last step; the
+    step is from stage 0's first F (at 3) to the last STEP's end (at 10), as the simulator's
+    makespan is from its first computation to its last action."""
+    rows = np.array(
+        [
+            [1, OPS.index("RA"), 0, 0.0, 4.0, 1, 1],
+            [1, OPS.index("F"), 0, 3.0, 4.0, 0, 0],
+            [1, OPS.index("F"), 0, 4.0, 6.0, 1, 1],
+            [1, OPS.index("STEP"), -1, 9.0, 10.0, 0, 0],
+        ]
+    )
+    assert measured_step_seconds(rows, skip_first=False) == 7.0
 
 
 def test_a_message_s_host_work_delays_its_arrival_and_its_receiver():

@@ -2,8 +2,9 @@
 pipeline contender in NAMES) or `BATCH single NAME` (one process, its threads from
 RINGTRAIN_THREADS), at global batch BATCH.
 
-Each builds its engines, traces them and calibrates the pipelines once, says it is ready,
-then serves the parent's commands: time a contender for some steps and report.
+Each builds its engines, traces them and times the link once, says it is ready, then serves
+the parent's commands: time a contender for some steps and report (a pipeline also predicts
+the later of those steps from the earlier).
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ from ringtrain.bench.pipeline_bench import (
 )
 from ringtrain.data import Dataset, load_synthetic
 from ringtrain.models import ModelSpec, transformer
+from ringtrain.pipeline.calibrate import CALIBRATION_STEPS
+from ringtrain.pipeline.trace import STEP, measured_bubble, measured_step_seconds
+
+WARM_UP_STEPS = 2  # before the rounds: the first traces the graphs
 
 
 def base_config(batch: int):
@@ -60,10 +65,9 @@ def held_bytes(spec: ModelSpec, bounds: list[tuple[int, int]], mb_size: int, rec
 
 
 class Contender:
-    """One pipeline schedule's engine, calibrated once: the prediction it is measured against."""
+    """One pipeline schedule's engine; each timing predicts its later steps from its first."""
 
     def __init__(self, name: str, data: Dataset, spec: ModelSpec, world: runtime.World, batch: int):
-        from ringtrain.pipeline.calibrate import CALIBRATION_STEPS
         from ringtrain.pipeline.engine import PipelineEngine
 
         kind, micro, virtual = PIPELINES[name]
@@ -71,14 +75,9 @@ class Contender:
         cfg = replace(base, schedule=kind, microbatches=micro, virtual_stages=virtual)
         self.engine, self.world, self.cfg = PipelineEngine(spec, data, cfg, world), world, cfg
         self.engine.calibrate_link()
-        for indices in batch_stream(len(data.x), 1 + CALIBRATION_STEPS, batch, SEED):
-            self.engine.step(indices)  # step 0 traces the graphs; the rest calibrate
-        rows = self.engine.trace.gather(world.comm)
-        self.report: dict = {}
-        if rows is None:
-            return
+        for indices in batch_stream(len(data.x), WARM_UP_STEPS, batch, SEED):
+            self.engine.step(indices)  # the first traces the graphs
         e = self.engine
-        predicted, calibration = e.prediction(rows, list(range(1, 1 + CALIBRATION_STEPS)))
         per_mb = held_bytes(spec, e.bounds, e.mb_size, cfg.recompute)
         peaks = e.predicted.peak_inflight
         self.report = {
@@ -90,14 +89,12 @@ class Contender:
             "activation_bytes_per_microbatch": per_mb,
             "activation_bytes_peak": [p * b for p, b in zip(peaks, per_mb, strict=True)],
             "boundary_bytes_per_microbatch": e.boundary_bytes,
-            "bubble_predicted": predicted.bubble,
-            "step_time_predicted": predicted.makespan,
-            "calibration": calibration,
         }
 
     def run(self, steps: int) -> dict | None:
-        from ringtrain.pipeline.trace import measured_bubble, measured_step_seconds
-
+        """Time `steps` steps; the first of them (CALIBRATION_STEPS, or all but one) calibrate
+        the simulator, which then predicts the rest: a prediction made minutes earlier would
+        measure this VM's drift between rounds, not the model."""
         since = self.engine.step_index
         stream = batch_stream(len(self.engine.data.x), steps, self.cfg.batch_size, SEED + since)
         start = time.perf_counter()
@@ -107,10 +104,16 @@ class Contender:
         rows = self.engine.trace.gather(self.world.comm, since=since)
         if rows is None:
             return None
+        split = since + max(1, min(CALIBRATION_STEPS, steps - 1))
+        predicted, calibration = self.engine.prediction(rows, list(range(since, split)))
+        later = rows[rows[:, STEP] >= split] if steps > 1 else rows
         return {
             "seconds": seconds,
-            "bubble_measured": measured_bubble(rows, 2, skip_first=False),
-            "step_time_measured": measured_step_seconds(rows, skip_first=False),
+            "bubble_measured": measured_bubble(later, 2, skip_first=False),
+            "step_time_measured": measured_step_seconds(later, skip_first=False),
+            "bubble_predicted": predicted.bubble,
+            "step_time_predicted": predicted.makespan,
+            "calibration": calibration,
             **self.report,
         }
 

@@ -9,6 +9,12 @@ synchronous sends, and at unit cost sends land exactly when needed.
 Neighbouring stages on the same rank (interleaving with P = 1, or a user's stage map) exchange
 nothing: the tensor stays in the rank's memory, so the lists have no message for it.
 
+Sends that do not wait (Isend) need none of that care: `send_when_made` moves every send up
+to right after the computation that made its tensor, so a receiver never waits for a sender
+that had the data but was itself waiting. Under real costs the witness order can make it wait:
+at 2 stages 1F1B's stage 0 sent activation i + 1 only after gradient i arrived, and stage 1,
+done with gradient i, waited about 1.5 ms for it every microbatch.
+
 Then each stage gets a REDUCE (average its gradients over the replicas) right after its last
 action, usually the send of its last input gradient, so upstream stages keep computing while
 it averages; and a STEP, all of a rank's STEPs last, so a step that clips by the global norm
@@ -18,9 +24,10 @@ sees every stage's averaged gradients.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from ringtrain.pipeline.interpreter import Stuck, interpret
-from ringtrain.pipeline.ir import Action, consumes, produces
+from ringtrain.pipeline.ir import Action, Schedule, consumes, produces
 from ringtrain.pipeline.simulate import unit_cost
 
 
@@ -61,3 +68,22 @@ def add_reduce_and_step(
         mine = [s for s, rank in enumerate(stage_ranks) if rank == r]
         out.append(lowered + [Action(s, "STEP") for s in mine])
     return out
+
+
+def send_when_made(schedule: Schedule) -> Schedule:
+    """The schedule with each send right after the computation that made its tensor: for sends
+    that never block, where it cannot deadlock (data is only ever ready earlier) and no receiver
+    waits longer. Blocking sends need `lower`'s placement."""
+    stages, lists = schedule.stages, []
+    for row in schedule.actions:
+        sends = {a for a in row if a.op.startswith("SEND_")}
+        moved: list[Action] = []
+        for a in row:
+            if a in sends:
+                continue
+            moved.append(a)
+            made = produces(a, stages)
+            if made is not None and made.send() in sends:
+                moved.append(made.send())
+        lists.append(moved)
+    return replace(schedule, actions=lists)

@@ -70,11 +70,14 @@ def measured_bubble(rows: np.ndarray, stages: int, skip_first: bool = True) -> f
 
 
 def measured_step_seconds(rows: np.ndarray, skip_first: bool = True) -> float:
-    """Median over steps of the wall time from the step's first action to its last."""
+    """Median over steps of the wall time from the step's first computation to its last action,
+    the span the simulator's makespan covers. Not from its first action: a downstream rank
+    posts its first receive while upstream still finishes the last step, and that wait would
+    count the two steps' overlap twice."""
     spans = []
     for step in _steps(rows, skip_first):
         at_step = rows[rows[:, STEP] == step]
-        spans.append(at_step[:, END].max() - at_step[:, START].min())
+        spans.append(at_step[:, END].max() - computations(at_step)[:, START].min())
     return float(median(spans))
 
 

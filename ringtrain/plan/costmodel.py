@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from ringtrain.errors import UserError
 from ringtrain.pipeline.costs import LinkModel, predict
+from ringtrain.pipeline.lower import send_when_made
 from ringtrain.pipeline.partition import balanced
 from ringtrain.pipeline.schedule import build_schedule
 from ringtrain.pipeline.simulate import simulate
@@ -246,7 +247,7 @@ def predict_pipeline(cal: Calibration, candidate: Candidate, nodes: int, batch: 
     ranks_per_node = replicas * stages // nodes
     pipeline_spans_nodes = stages > ranks_per_node
     link = cal.link(cal.p2p, pipeline_spans_nodes)
-    schedule = build_schedule(candidate.schedule, stages, candidate.microbatches)
+    schedule = send_when_made(build_schedule(candidate.schedule, stages, candidate.microbatches))
     sim = predict(schedule, seconds, link, boundary)
     average, peak = 0.0, 0
     runtime = cal.pipeline_runtime_bytes
