@@ -40,7 +40,7 @@ BENCHES = {
     "pipeline": (
         "ringtrain.bench.pipeline_bench",
         "measured vs predicted bubble, GPipe vs 1F1B, P=2",
-        3,
+        5,
     ),
     "strategies": (
         "ringtrain.bench.strategies",
