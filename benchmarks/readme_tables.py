@@ -37,21 +37,23 @@ def _mode(report: dict) -> str:
 def pipeline_table(report: dict) -> str:
     lines = [
         "| contender | samples/s (median, min–max) | × 1 thread | × 2 threads | bubble measured "
-        "| bubble predicted | step ms measured / predicted | peak in-flight per stage | "
-        "activation MB per stage at peak |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| bubble predicted | bubble gap | step ms measured / predicted | step error | "
+        "peak in-flight per stage | activation MB per stage at peak |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for e in report["summary"]:
         rate = _range(e, "samples_per_sec")
         ratios = f"{e['speedup_vs_single_median']:.2f} | {e['vs_single_2_threads_median']:.2f}"
         if "bubble_gap" not in e:
-            lines.append(f"| {e['contender']} | {rate} | {ratios} | | | | | |")
+            lines.append(f"| {e['contender']} | {rate} | {ratios} | | | | | | | |")
             continue
         memory = ", ".join(f"{b / 1e6:.1f}" for b in e["activation_bytes_peak"])
         lines.append(
             f"| {e['contender']} | {rate} | {ratios} | {e['bubble_measured_median']:.3f} | "
-            f"{e['bubble_predicted_median']:.3f} | {e['step_time_measured_median'] * 1e3:.0f} / "
-            f"{e['step_time_predicted_median'] * 1e3:.0f} | {e['peak_inflight']} | {memory} |"
+            f"{e['bubble_predicted_median']:.3f} | {e['bubble_gap']:.3f} | "
+            f"{e['step_time_measured_median'] * 1e3:.0f} / "
+            f"{e['step_time_predicted_median'] * 1e3:.0f} | {e['step_time_error']:+.0%} | "
+            f"{e['peak_inflight']} | {memory} |"
         )
     met = ", ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in report["targets"].items())
     facts, work = report["machine"], report["workload"]
@@ -61,9 +63,10 @@ def pipeline_table(report: dict) -> str:
         f"{'×'.join(map(str, work['input']))}, global batch {work['global_batch']}, P=2 ranks "
         f"of one thread each (bound to a core each), against one process with one thread (one "
         f"core) and with two (both cores); medians of {report['rounds']} alternating rounds of "
-        f"{report['steps_per_measurement']} steps{_mode(report)}. Predictions come from each "
-        "run's calibration (stage times over the steps after tracing, and a ping-pong link "
-        "model)."
+        f"{report['steps_per_measurement']} steps{_mode(report)}. Each timing predicts its "
+        "later steps from its first 3 (their stage times, and a ping-pong link model); the gap "
+        "and the error (predicted over measured step, less 1) are the medians of each round's "
+        "prediction against that round's measurement."
     )
     name = Path(report.get("png", "benchmarks/results/pipeline.png")).name
     picture = f"![pipeline benchmark](benchmarks/results/{name})"

@@ -1,8 +1,8 @@
 """Process start-up shared by every strategy: MPI, thread pools, Horovod.
 
 Order matters: threads are fixed before TensorFlow runs an op, MPI starts with MULTIPLE thread
-support before Horovod (which then shares that MPI), and Open MPI's busy-polling is tamed when
-ranks fill the node's cores (an idle rank that spins steals the core another rank computes on).
+support before Horovod (which then shares that MPI), and Open MPI's busy-polling is tamed where
+a rank has no core to spare (an idle rank that spins steals the core something else computes on).
 """
 
 from __future__ import annotations
@@ -74,8 +74,9 @@ def init_horovod(hvd, comm, process_sets: list | None = None) -> None:
     nice = horovod_nice()
     before = _thread_ids()
     hvd.init(comm=comm, process_sets=process_sets) if process_sets else hvd.init(comm=comm)
-    for thread in _thread_ids() - before if nice else ():
-        os.setpriority(os.PRIO_PROCESS, thread, nice)
+    if nice:
+        for thread in _thread_ids() - before:
+            os.setpriority(os.PRIO_PROCESS, thread, nice)
 
 
 def horovod_nice() -> int:
