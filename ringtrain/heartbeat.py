@@ -82,36 +82,46 @@ class Heartbeat:
             self.thread.join(timeout=5)
 
     def _beat(self) -> None:
-        """Beat until stopped. An MPI error (a peer's connection torn down) ends the beating
-        quietly: the silence it leaves is what `suspect()` reports."""
+        """Beat until stopped. An MPI error on one peer's requests (its connection torn down)
+        ends the beats with that peer only: the silence it leaves is what `suspect()` reports,
+        while the live peers keep hearing this rank. Stopping them all made a live rank on the
+        dead one's partner node look as silent as the dead one, and sometimes the longest."""
         from mpi4py import MPI
 
-        try:
-            self._beat_until_stopped()
-        except MPI.Exception:
-            self.active = False
-
-    def _beat_until_stopped(self) -> None:
         beat = np.ones(1, np.uint8)
         inbox = {p: np.zeros(1, np.uint8) for p in self.peers}
-        receiving = {p: self.comm.Irecv(inbox[p], p, TAG) for p in self.peers}
+        receiving: dict[int, object] = {}
         sending: dict[int, object] = {}
+        live = set(self.peers)
         due = 0.0
         while self.active:
-            if time.monotonic() >= due:
-                for p in self.peers:  # never queue beats behind one that has not left yet
-                    if p not in sending or sending[p].Test():
-                        sending[p] = self.comm.Isend(beat, p, TAG)
+            beating = time.monotonic() >= due
+            for p in sorted(live):
+                try:
+                    self._exchange(p, beat, inbox[p], sending, receiving, beating)
+                except MPI.Exception:
+                    live.discard(p)
+            if beating:
                 due = time.monotonic() + self.interval
-            for p in self.peers:
-                while receiving[p].Test():
-                    self.heard[p] = time.monotonic()
-                    receiving[p] = self.comm.Irecv(inbox[p], p, TAG)
             time.sleep(self.interval / 4)
             self._on_termination()
-        for request in receiving.values():
-            request.Cancel()
-            request.Wait()
+        for p in live & receiving.keys():
+            try:
+                receiving[p].Cancel()
+                receiving[p].Wait()
+            except MPI.Exception:  # torn down meanwhile: nothing left to cancel
+                pass
+
+    def _exchange(self, p: int, beat, box, sending: dict, receiving: dict, beating: bool) -> None:
+        """One peer: a beat if one is due (never queued behind one that has not left yet), and
+        every beat that has arrived from it."""
+        if p not in receiving:
+            receiving[p] = self.comm.Irecv(box, p, TAG)
+        if beating and (p not in sending or sending[p].Test()):
+            sending[p] = self.comm.Isend(beat, p, TAG)
+        while receiving[p].Test():
+            self.heard[p] = time.monotonic()
+            receiving[p] = self.comm.Irecv(box, p, TAG)
 
     def _on_termination(self) -> None:
         """On SIGTERM (the launcher ending the job, or a scheduler's stop request), say which
