@@ -275,7 +275,10 @@ def run_train(args: argparse.Namespace) -> int:
             "MPI not found: mpirun is not on PATH; install openmpi-bin or load your "
             "site's MPI module"
         )
-    data = _agreed(lambda: _outputs_and_data(cfg), me, cfg.comm_timeout)
+    # Start-up: ranks reach this agreement as fast as ssh, Python and the libraries load them,
+    # seconds apart on a loaded node, so it is bounded like the rest of start-up.
+    wait_for = max(cfg.comm_timeout, cfg.startup_timeout)
+    data = _agreed(lambda: _outputs_and_data(cfg), me, wait_for)
     from ringtrain.api import train  # TensorFlow loads here, once the inputs are known good
     from ringtrain.models import BUILTIN
 

@@ -155,10 +155,13 @@ class Watchdog:
         was_patient = False
         while self.active:
             time.sleep(min(1.0, self.timeout / 4))
+            # Patience first: the loop kicks before it ends patience, so a patience already
+            # ended here comes with a fresh kick, never with the first step's long silence.
+            patient_now = patient(None, self.timeout + self.extra)
             quiet = time.monotonic() - self.last
             if not self.active or quiet <= max(self.timeout + self.extra, self.startup):
                 continue
-            if patient(None, self.timeout + self.extra):
+            if patient_now:
                 was_patient = True
                 continue
             how_long = waited(self.timeout, self.extra)

@@ -118,7 +118,9 @@ def run(
         if board:  # on the optimizer-step axis: a resumed run continues the same curves
             rates = {"learning_rate": lr, "samples_per_sec": cfg.batch_size / step_seconds[-1]}
             board.write(step + 1, {"loss": loss, **rates})
-        heartbeat.settle()  # the first step traced its graphs; --comm-timeout alone from here
+        if step == first:  # its graphs are traced: --comm-timeout alone from here, from now
+            watchdog.kick(f"the end of step {step + 1}")
+            heartbeat.settle()
         if not finite:  # every rank stops here, before a checkpoint could hold the damage
             what = f"the loss became non-finite ({losses[-1]})"
             newest = checkpoints.newest if checkpoints else None
