@@ -42,8 +42,13 @@ def cores_per_rank(local_size: int) -> float:
     rehearsal node's taskset, a Slurm cgroup) owns its whole mask; an unbound one shares the
     machine with its node's other ranks."""
     mine = len(os.sched_getaffinity(0))
-    unbound = mine >= (os.cpu_count() or 1)
-    return mine / max(1, local_size) if unbound else mine
+    return mine if is_bound() else mine / max(1, local_size)
+
+
+def is_bound() -> bool:
+    """Whether a launcher, taskset or cgroup gave this rank fewer cores than the machine has:
+    then it owns them, with no other job's compute beside it."""
+    return len(os.sched_getaffinity(0)) < (os.cpu_count() or 1)
 
 
 def inter_op_threads(threads: int, with_horovod: bool) -> int:
@@ -57,17 +62,21 @@ def inter_op_threads(threads: int, with_horovod: bool) -> int:
 
 def tune_environment(local_size: int) -> None:
     """Defaults for a rank without a core to spare (bound to one core, or ranks filling the
-    node), where MPI's waiting takes the compute's core; the environment overrides each."""
+    node), where MPI's waiting takes the compute's core; the environment overrides each.
+    Horovod's thread goes below the compute only on a core the rank owns: unbound, it would
+    also wait behind every other process on the node (seen: hybrid ranks of twelve jobs on two
+    cores silent past a 20 s --comm-timeout, their heartbeats too)."""
     spare_core = cores_per_rank(local_size) >= 2
     if not spare_core:
         os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
     os.environ.setdefault("HOROVOD_CYCLE_TIME", default_cycle_time(spare_core))
-    os.environ.setdefault("RINGTRAIN_HOROVOD_NICE", "0" if spare_core else "19")
+    below_compute = not spare_core and is_bound()
+    os.environ.setdefault("RINGTRAIN_HOROVOD_NICE", "19" if below_compute else "0")
 
 
 def init_horovod(hvd, comm, process_sets: list | None = None) -> None:
     """hvd.init on `comm`, its background thread at the niceness RINGTRAIN_HOROVOD_NICE says
-    (19 where a rank has no core to spare). That thread waits in MPI between coordination
+    (19 where a bound rank has no core to spare). That thread waits in MPI between coordination
     rounds, and at the compute's priority it took about half of a rank's only core: a step of
     `bench dp`'s heavy CNN here took 74.5 ms against 36.5 ms of compute, and 39.9 against
     37.6 with the thread at 19. The thread still runs whenever the compute waits for it."""

@@ -109,7 +109,7 @@ def test_quiet_holds_back_only_absl_notices_below_the_level():
     [
         ({0}, 1, 1, "1", "1", "19"),  # bound to one core (a one-core node): one thread, not two
         ({0, 1}, 1, 2, "0.1", None, "0"),  # unbound and alone: both cores, one to spare
-        ({0, 1}, 2, 1, "1", "1", "19"),  # unbound, two ranks on the node: a core each
+        ({0, 1}, 2, 1, "1", "1", "0"),  # unbound, two ranks on the node: a core each, shared
     ],
 )
 def test_threads_cycle_and_yield_follow_the_cores_a_rank_may_run_on(
