@@ -152,7 +152,7 @@ class Watchdog:
         from ringtrain.comm import waited
         from ringtrain.heartbeat import blame, patient  # the side channel knows who is silent
 
-        was_patient = False
+        patient_at = None  # the kick whose deadline patience last stretched
         while self.active:
             time.sleep(min(1.0, self.timeout / 4))
             # Patience first: the loop kicks before it ends patience, so a patience already
@@ -162,13 +162,13 @@ class Watchdog:
             if not self.active or quiet <= max(self.timeout + self.extra, self.startup):
                 continue
             if patient_now:
-                was_patient = True
+                patient_at = self.last
                 continue
             how_long = waited(self.timeout, self.extra)
             named = blame(how_long, self.what)
             if named:
                 abort_job(named, self.rank, EXIT_SILENT_PEER)
-            if was_patient or self.startup:
+            if patient_at == self.last or self.startup:
                 how_long = f"{quiet:.0f} s (within --startup-timeout)"
             abort_job(
                 f"no progress for {how_long} during {self.what}: "

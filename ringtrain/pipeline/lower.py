@@ -83,7 +83,8 @@ def send_when_made(schedule: Schedule) -> Schedule:
                 continue
             moved.append(a)
             made = produces(a, stages)
-            if made is not None and made.send() in sends:
-                moved.append(made.send())
+            send = made.send() if made is not None else None
+            if send in sends:
+                moved.append(send)
         lists.append(moved)
     return replace(schedule, actions=lists)
