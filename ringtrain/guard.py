@@ -141,6 +141,14 @@ class Watchdog:
     def kick(self, what: str) -> None:
         self.last, self.what, self.startup = time.monotonic(), what, 0.0
 
+    def settle(self, what: str) -> None:
+        """Kick, then end the first step's patience (heartbeat.settle), in that order: the watch
+        reads patience before the clock, so it never sees patience ended against an old kick."""
+        from ringtrain import heartbeat
+
+        self.kick(what)
+        heartbeat.settle()
+
     def allow(self, extra: float) -> None:
         """Seconds a step may take beyond `timeout` to move its bytes (the deadline rule)."""
         self.extra = extra
@@ -155,8 +163,7 @@ class Watchdog:
         patient_at = None  # the kick whose deadline patience last stretched
         while self.active:
             time.sleep(min(1.0, self.timeout / 4))
-            # Patience first: the loop kicks before it ends patience, so a patience already
-            # ended here comes with a fresh kick, never with the first step's long silence.
+            # Patience first: settle() kicks before it ends patience (see there).
             patient_now = patient(None, self.timeout + self.extra)
             quiet = time.monotonic() - self.last
             if not self.active or quiet <= max(self.timeout + self.extra, self.startup):

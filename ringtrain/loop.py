@@ -9,7 +9,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from ringtrain import heartbeat, log, tensorboard
+from ringtrain import log, tensorboard
 from ringtrain.checkpoint import RunCheckpoints
 from ringtrain.comm import Link
 from ringtrain.config import TrainConfig
@@ -119,8 +119,7 @@ def run(
             rates = {"learning_rate": lr, "samples_per_sec": cfg.batch_size / step_seconds[-1]}
             board.write(step + 1, {"loss": loss, **rates})
         if step == first:  # its graphs are traced: --comm-timeout alone from here, from now
-            watchdog.kick(f"the end of step {step + 1}")
-            heartbeat.settle()
+            watchdog.settle(f"the end of step {step + 1}")
         if not finite:  # every rank stops here, before a checkpoint could hold the damage
             what = f"the loss became non-finite ({losses[-1]})"
             newest = checkpoints.newest if checkpoints else None

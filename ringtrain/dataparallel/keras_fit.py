@@ -15,7 +15,7 @@ from ringtrain import tensorflow_loader  # noqa: F401  (before Keras: keeps scik
 import keras
 import numpy as np
 
-from ringtrain import heartbeat, log
+from ringtrain import log
 from ringtrain.config import TrainConfig
 from ringtrain.data import Dataset, epoch_batches, shard, step_plan
 from ringtrain.dataparallel.collectives import average_gradients, broadcast_state
@@ -119,8 +119,7 @@ class KickWatchdog(keras.callbacks.Callback):
         self.watchdog = watchdog
 
     def on_train_batch_end(self, batch, logs=None):
-        self.watchdog.kick(f"batch {batch + 1} of model.fit")
-        heartbeat.settle()
+        self.watchdog.settle(f"batch {batch + 1} of model.fit")
 
 
 class ShowProgress(keras.callbacks.Callback):
