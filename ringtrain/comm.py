@@ -115,16 +115,16 @@ class Link:
         deadline = time.monotonic() + self.timeout + extra
         pause = 0.0
         while not request.Test():
-            if time.monotonic() > deadline and not self._patient(peer, self.timeout + extra):
+            if time.monotonic() > deadline and not self._patient(peer):
                 self.abort(self._silence(peer, what, waited(self.timeout, extra)))
             if pause:
                 time.sleep(pause)
             pause = min(LONGEST_PAUSE, pause * 2 or 0.00002)  # a waiting rank frees its core
 
-    def _patient(self, peer: int | None, allowed: float) -> bool:
+    def _patient(self, peer: int | None) -> bool:
         from ringtrain.heartbeat import patient
 
-        return patient(None if peer is None else world_rank(self.comm, peer), allowed)
+        return patient(None if peer is None else world_rank(self.comm, peer))
 
     def _silence(self, peer: int | None, what: str, allowed: str) -> str:
         if peer is None:  # a collective: the heartbeat may know who is missing

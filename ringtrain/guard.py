@@ -164,7 +164,7 @@ class Watchdog:
         while self.active:
             time.sleep(min(1.0, self.timeout / 4))
             # Patience first: settle() kicks before it ends patience (see there).
-            patient_now = patient(None, self.timeout + self.extra)
+            patient_now = patient(None)
             quiet = time.monotonic() - self.last
             if not self.active or quiet <= max(self.timeout + self.extra, self.startup):
                 continue
