@@ -139,8 +139,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "--startup-timeout",
         type=float,
         default=600.0,
-        help="seconds start-up and the first step (graph tracing) may take while every peer "
-        "is still heard from; a silent peer still ends the job after --comm-timeout",
+        help="seconds start-up and the first step (graph tracing) may take; only a peer whose "
+        "connection is torn down ends the job sooner, after --comm-timeout",
     )
     p.add_argument(
         "--min-link-rate",
