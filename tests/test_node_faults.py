@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import hashlib
 import re
+import shutil
 import subprocess
+import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,6 +89,23 @@ def slurm_env() -> Iterator[dict[str, str]]:
         yield {**ENV, "SLURM_CONF": str(STATE / "slurm" / "etc" / "slurm.conf")}
     finally:
         cluster("down")
+
+
+@pytest.fixture(scope="module")
+def launcher_env() -> Iterator[Callable[[], dict[str, str]]]:
+    """An environment with a TMPDIR of its own, for each launcher started beside others: Open
+    MPI launchers started in the same instant race to create this host's session directory
+    (/tmp/ompi.<host>.<uid>), and the loser fails at start-up with 'File exists' (seen with the
+    two slow-link runs)."""
+    made: list[str] = []
+
+    def fresh() -> dict[str, str]:
+        made.append(tempfile.mkdtemp(prefix="ompi-"))  # short: MPI's sockets live under it
+        return {**ENV, "TMPDIR": made[-1]}
+
+    yield fresh
+    for folder in made:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def node_pids(node: str) -> list[int]:
@@ -210,9 +229,12 @@ LAUNCHES = ("horovodrun data", "mpirun data", "mpirun pipeline", "mpirun hybrid"
 BATCH_LAUNCHES = (("srun data", "data-multinode.sbatch"), ("srun pipeline", "pipeline.sbatch"))
 
 
-def start_run(tmp_path: Path, env: dict[str, str], name: str, first: str, second: str) -> Run:
+def start_run(
+    tmp_path: Path, env: dict[str, str], own_env: dict[str, str], name: str, first: str, second: str
+) -> Run:
     """One launch across `first` and `second`, its ranks split between them: mpirun or
-    horovodrun (the lines `ringtrain cluster up` prints) on this host, or srun in sbatch."""
+    horovodrun (the lines `ringtrain cluster up` prints) on this host with `own_env`, or srun
+    in sbatch."""
     log = tmp_path / f"{name.replace(' ', '-')}-{second}.log"
     strategy = name.split()[1]
     if name.startswith("srun"):
@@ -237,7 +259,7 @@ def start_run(tmp_path: Path, env: dict[str, str], name: str, first: str, second
         command = ["mpirun", *mpirun_flags(CIDR), "-np", str(2 * per_node), *hosts]
     with log.open("w") as out:
         command += train_args(strategy)
-        process = subprocess.Popen(command, stdout=out, stderr=out, env=ENV)
+        process = subprocess.Popen(command, stdout=out, stderr=out, env=own_env)
     return Run(name, log, first, process=process)
 
 
@@ -267,7 +289,7 @@ def assert_ended_and_named(r: Run) -> None:
 
 
 def test_a_partition_and_a_power_loss_end_every_launcher_s_run_and_name_the_lost_rank(
-    slurm_env, tmp_path
+    slurm_env, launcher_env, tmp_path
 ):
     """Each of the six launches runs twice, each run on a pair of nodes of its own: on one
     pair the second node is partitioned, on the other it loses its power, as soon as that run
@@ -280,7 +302,7 @@ def test_a_partition_and_a_power_loss_end_every_launcher_s_run_and_name_the_lost
     try:
         for k, (name, kind) in enumerate(plan):
             first, second = f"node{2 * k + 1}", f"node{2 * k + 2}"
-            runs.append(start_run(tmp_path, slurm_env, name, first, second))
+            runs.append(start_run(tmp_path, slurm_env, launcher_env(), name, first, second))
             runs[-1].lost, runs[-1].fault = second, kind
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
@@ -334,7 +356,7 @@ SLOW_PAIRS = {"data": ("node5", "node6"), "pipeline": ("node7", "node8")}
 
 
 @pytest.fixture(scope="module")
-def slow_link_runs(slurm_env, tmp_path_factory) -> Iterator[tuple[Path, dict]]:
+def slow_link_runs(slurm_env, launcher_env, tmp_path_factory) -> Iterator[tuple[Path, dict]]:
     """The slow-link runs, started in the background: the requeue test asks for them first,
     so they share its minutes of waiting for Slurm instead of adding their own."""
     folder, jobs = tmp_path_factory.mktemp("slow-link"), {}
@@ -348,7 +370,7 @@ def slow_link_runs(slurm_env, tmp_path_factory) -> Iterator[tuple[Path, dict]]:
                 *("--weights-out", str(folder / f"{strategy}.npz")),
             ]
             log = (folder / f"{strategy}.log").open("w")
-            jobs[strategy] = subprocess.Popen(cmd, stdout=log, stderr=log, env=ENV)
+            jobs[strategy] = subprocess.Popen(cmd, stdout=log, stderr=log, env=launcher_env())
         yield folder, jobs
     finally:
         for job in jobs.values():
