@@ -230,11 +230,16 @@ BATCH_LAUNCHES = (("srun data", "data-multinode.sbatch"), ("srun pipeline", "pip
 
 
 def start_run(
-    tmp_path: Path, env: dict[str, str], own_env: dict[str, str], name: str, first: str, second: str
+    tmp_path: Path,
+    env: dict[str, str],
+    launcher_env: Callable[[], dict[str, str]],
+    name: str,
+    first: str,
+    second: str,
 ) -> Run:
     """One launch across `first` and `second`, its ranks split between them: mpirun or
-    horovodrun (the lines `ringtrain cluster up` prints) on this host with `own_env`, or srun
-    in sbatch."""
+    horovodrun (the lines `ringtrain cluster up` prints) on this host, in an environment of
+    its own from `launcher_env`, or srun in sbatch."""
     log = tmp_path / f"{name.replace(' ', '-')}-{second}.log"
     strategy = name.split()[1]
     if name.startswith("srun"):
@@ -259,7 +264,7 @@ def start_run(
         command = ["mpirun", *mpirun_flags(CIDR), "-np", str(2 * per_node), *hosts]
     with log.open("w") as out:
         command += train_args(strategy)
-        process = subprocess.Popen(command, stdout=out, stderr=out, env=own_env)
+        process = subprocess.Popen(command, stdout=out, stderr=out, env=launcher_env())
     return Run(name, log, first, process=process)
 
 
@@ -302,7 +307,7 @@ def test_a_partition_and_a_power_loss_end_every_launcher_s_run_and_name_the_lost
     try:
         for k, (name, kind) in enumerate(plan):
             first, second = f"node{2 * k + 1}", f"node{2 * k + 2}"
-            runs.append(start_run(tmp_path, slurm_env, launcher_env(), name, first, second))
+            runs.append(start_run(tmp_path, slurm_env, launcher_env, name, first, second))
             runs[-1].lost, runs[-1].fault = second, kind
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
