@@ -51,6 +51,15 @@ def test_balanced_partition_minimises_the_costliest_stage():
     assert partition.balanced([1, 2, 3], 3) == [(0, 1), (1, 2), (2, 3)]
 
 
+def test_an_interleaved_partition_balances_ranks_not_stages():
+    """Stages 0 and 2 on rank 0, 1 and 3 on rank 1. Balancing stages (the costliest 53) loads
+    rank 0 with 50 + 53 = 103 against 58; balancing ranks gives 77 against 84."""
+    costs = [20, 30, 30, 26, 27, 28]
+    assert partition.balanced(costs, 4) == [(0, 2), (2, 3), (3, 5), (5, 6)]
+    assert partition.balanced(costs, 4, [0, 1, 0, 1]) == [(0, 2), (2, 4), (4, 5), (5, 6)]
+    assert partition.balanced(costs, 4, [0, 1, 2, 3]) == partition.balanced(costs, 4)
+
+
 @pytest.mark.parametrize(
     "changes,world,needle",
     [

@@ -11,8 +11,8 @@ import pytest
 
 from ringtrain import cli
 from ringtrain.errors import UserError
-from ringtrain.pipeline.calibrate import stage_seconds
-from ringtrain.pipeline.costs import LinkModel, predict
+from ringtrain.pipeline.calibrate import stage_seconds, step_actions
+from ringtrain.pipeline.costs import LinkModel, predict, predict_from_steps
 from ringtrain.pipeline.generators import SCHEDULES
 from ringtrain.pipeline.interpreter import interpret
 from ringtrain.pipeline.ir import (
@@ -460,6 +460,40 @@ def test_calibration_takes_each_stage_s_action_times_over_the_steps_asked():
         ]
     )
     assert stage_seconds(receives, [1]) == {(1, "RECV_ACT"): 0.25, (0, "RECV_GRAD"): 0.25}
+
+
+def test_calibration_keeps_each_step_and_replica_s_own_action_times():
+    """Ranks 0-1 are replica 0, 2-3 replica 1 (P=2): one mapping per (step, replica), in that
+    order; every receive gets the least receive of all the steps asked, its host work."""
+    f, ra = OPS.index("F"), OPS.index("RA")
+    rows = np.array(
+        [
+            [step, f, 0, 0.0, step + replica / 10, 0, 2 * replica]
+            for step in (1, 2)
+            for replica in (0, 1)
+        ]
+        + [[2, ra, 0, 0.0, 0.5, 1, 3], [1, ra, 0, 0.0, 2.0, 1, 1]]
+    )
+    assert step_actions(rows, [1, 2], pipeline_ranks=2) == [
+        {Action(0, "F", 0): 1.0, Action(1, "RECV_ACT", 0): 0.5},
+        {Action(0, "F", 0): 1.1},
+        {Action(0, "F", 0): 2.0},
+        {Action(0, "F", 0): 2.1, Action(1, "RECV_ACT", 0): 0.5},
+    ]
+
+
+def test_a_prediction_from_steps_is_the_replay_with_the_median_makespan():
+    """1F1B, P=2, M=1 on a free link is F0 + F1 + B1 + B0; steps with every computation at 1, 3
+    and 2 seconds replay to 4, 12 and 8: the prediction is the 8, with that replay's timeline.
+    A step without one of the schedule's computations is refused."""
+    one = built("1f1b", 2, 1)[0]
+    compute = [a for row in one.actions for a in row if a.is_compute]
+    steps = [{a: float(k) for a in compute} for k in (1, 3, 2)]
+    result = predict_from_steps(one, steps)
+    assert result.makespan == 8.0
+    assert result.timeline[1] == [("1F0", 2.0, 4.0), ("1B0", 4.0, 6.0)]
+    with pytest.raises(ValueError, match="no measured time for 1B0"):
+        predict_from_steps(one, [{a: 1.0 for a in compute if str(a) != "1B0"}])
 
 
 def test_a_measured_step_starts_at_its_first_computation_as_the_simulated_one_does():

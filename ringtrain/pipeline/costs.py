@@ -9,10 +9,9 @@ checked in milliseconds against synthetic figures with known answers.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ringtrain.pipeline.interpreter import Cost
 from ringtrain.pipeline.ir import Action, Schedule
 from ringtrain.pipeline.simulate import SimResult, simulate
 
@@ -52,32 +51,45 @@ class LinkModel:
 FREE_LINK = LinkModel(0.0, float("inf"))
 
 
-def measured_cost(seconds: Mapping[tuple[int, str], float]) -> Cost:
-    """A cost function from seconds per (stage, op): computations, and the host's own work
-    around a message, REDUCE and STEP where they were measured (what was not costs nothing)."""
-
-    def cost(a: Action) -> float:
-        return seconds.get((a.stage, a.op), 0.0)
-
-    return cost
-
-
 def predict(
     schedule: Schedule,
     seconds: Mapping[tuple[int, str], float],
     link: LinkModel = FREE_LINK,
     boundary_bytes: Sequence[int] | None = None,
 ) -> SimResult:
-    """The schedule replayed with measured compute and the link's message time.
+    """The schedule replayed with seconds per (stage, op) and the link's message time.
 
     `boundary_bytes[s]` is the size of what crosses from stage s to s + 1 (its gradient is as
-    big); messages between stages on one rank are not in the schedule, so they cost nothing."""
+    big); messages between stages on one rank are not in the schedule, so they cost nothing.
+    Compute, and the host's work around a message, REDUCE and STEP, cost what was measured;
+    what was not costs nothing."""
+    return _replay(schedule, lambda a: seconds.get((a.stage, a.op)), link, boundary_bytes)
+
+
+def predict_from_steps(
+    schedule: Schedule,
+    steps: Sequence[Mapping[Action, float]],
+    link: LinkModel = FREE_LINK,
+    boundary_bytes: Sequence[int] | None = None,
+) -> SimResult:
+    """The median of replays of measured steps, each with its own actions' seconds: the one
+    whose makespan is the median (the upper one of an even count), so its bubble and timeline
+    belong to the step time it predicts."""
+    if not steps:
+        raise ValueError("no measured step to replay")
+    replays = [_replay(schedule, step.get, link, boundary_bytes) for step in steps]
+    return sorted(replays, key=lambda r: r.makespan)[len(replays) // 2]
+
+
+def _replay(
+    schedule: Schedule,
+    measured: Callable[[Action], float | None],
+    link: LinkModel,
+    boundary_bytes: Sequence[int] | None,
+) -> SimResult:
     missing = [
-        str(a)
-        for row in schedule.actions
-        for a in row
-        if a.is_compute and (a.stage, a.op) not in seconds
+        str(a) for row in schedule.actions for a in row if a.is_compute and measured(a) is None
     ]
     if missing:
         raise ValueError(f"no measured time for {missing[0]}")
-    return simulate(schedule, measured_cost(seconds), link.time, boundary_bytes)
+    return simulate(schedule, lambda a: measured(a) or 0.0, link.time, boundary_bytes)

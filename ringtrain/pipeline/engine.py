@@ -37,8 +37,13 @@ from ringtrain.guard import agree
 from ringtrain.models import ModelSpec, forward, loss_fn, trainable_variables
 from ringtrain.optim import LearningRate, make_optimizer
 from ringtrain.pipeline import partition
-from ringtrain.pipeline.calibrate import CALIBRATION_STEPS, ping_pong, stage_seconds
-from ringtrain.pipeline.costs import FREE_LINK, predict
+from ringtrain.pipeline.calibrate import (
+    CALIBRATION_STEPS,
+    ping_pong,
+    stage_seconds,
+    step_actions,
+)
+from ringtrain.pipeline.costs import FREE_LINK, predict_from_steps
 from ringtrain.pipeline.grid import Grid
 from ringtrain.pipeline.ir import Action, Tensor, carries, consumes, produces
 from ringtrain.pipeline.lower import send_when_made
@@ -277,7 +282,7 @@ class PipelineEngine(Checkpointable):
             bounds, costs = partition.uniform(len(spec), stages), None
         else:
             costs = self._element_costs(spec, method)
-            bounds = partition.balanced(costs, stages)
+            bounds = partition.balanced(costs, stages, self.schedule.stage_ranks)
         log.info(f"partition ({method}): {partition.describe(bounds, costs)}")
         return bounds
 
@@ -551,10 +556,14 @@ class PipelineEngine(Checkpointable):
         return {"bubble_measured": measured_bubble(rows, self.ranks, skip_first=first == 0)}
 
     def prediction(self, rows: np.ndarray, steps: list[int]) -> tuple[SimResult, dict]:
-        """The schedule replayed with this run's calibration (each action's time over `steps`
-        of a gathered trace, and the link model), and that calibration as a report."""
+        """The schedule replayed with this run's calibration (each of `steps` of a gathered
+        trace with its own actions' times, and the link model), and that calibration as a
+        report: the median per (stage, op), which `ringtrain plan` reads."""
+        measured = step_actions(rows, steps, self.ranks)
+        predicted = predict_from_steps(
+            self.schedule, measured, self.link_model, self.boundary_bytes
+        )
         seconds = stage_seconds(rows, steps)
-        predicted = predict(self.schedule, seconds, self.link_model, self.boundary_bytes)
         return predicted, {
             "steps": steps,
             "seconds": {f"{s}{op}": v for (s, op), v in seconds.items()},
