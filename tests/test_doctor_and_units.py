@@ -11,6 +11,7 @@ from ringtrain import quiet, runtime
 from ringtrain.config import TrainConfig, validate
 from ringtrain.errors import UserError
 from ringtrain.pipeline import partition
+from ringtrain.pipeline.schedule import build_schedule
 
 
 def doctor(env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -51,13 +52,21 @@ def test_balanced_partition_minimises_the_costliest_stage():
     assert partition.balanced([1, 2, 3], 3) == [(0, 1), (1, 2), (2, 3)]
 
 
-def test_an_interleaved_partition_balances_ranks_not_stages():
-    """Stages 0 and 2 on rank 0, 1 and 3 on rank 1. Balancing stages (the costliest 53) loads
-    rank 0 with 50 + 53 = 103 against 58; balancing ranks gives 77 against 84."""
-    costs = [20, 30, 30, 26, 27, 28]
-    assert partition.balanced(costs, 4) == [(0, 2), (2, 3), (3, 5), (5, 6)]
-    assert partition.balanced(costs, 4, [0, 1, 0, 1]) == [(0, 2), (2, 4), (4, 5), (5, 6)]
-    assert partition.balanced(costs, 4, [0, 1, 2, 3]) == partition.balanced(costs, 4)
+def test_an_interleaved_partition_is_the_split_whose_simulated_step_is_shortest():
+    """P=2 ranks, V=2 stages each (stages 0 and 2 on rank 0). Five equal elements: balancing
+    stages gives the last stage two, and 41 units a step against 37 for giving them to stage 2.
+    A small embedding, four equal blocks and a small head: splitting the blocks 2/1/1 across
+    stages 1-3 balances the ranks just as well as 1/1/1/1 but holds every microbatch up on the
+    two-block stage; the simulation sees it."""
+    interleaved = build_schedule("interleaved", 2, 4, 2)
+
+    def elements(costs):
+        return [{"F": c, "B": 2 * c, "BI": c, "BW": c} for c in costs]
+
+    assert partition.balanced([3] * 5, 4) == [(0, 1), (1, 2), (2, 3), (3, 5)]
+    assert partition.fastest(elements([1] * 5), interleaved) == [(0, 1), (1, 2), (2, 4), (4, 5)]
+    blocks = elements([4, 20, 20, 20, 20, 2])
+    assert partition.fastest(blocks, interleaved) == [(0, 2), (2, 3), (3, 4), (4, 6)]
 
 
 @pytest.mark.parametrize(

@@ -45,7 +45,7 @@ from ringtrain.pipeline.calibrate import (
 )
 from ringtrain.pipeline.costs import FREE_LINK, predict_from_steps
 from ringtrain.pipeline.grid import Grid
-from ringtrain.pipeline.ir import Action, Tensor, carries, consumes, produces
+from ringtrain.pipeline.ir import COMPUTE, Action, Tensor, carries, consumes, produces
 from ringtrain.pipeline.lower import send_when_made
 from ringtrain.pipeline.simulate import SimResult, simulate
 from ringtrain.pipeline.trace import (
@@ -280,29 +280,40 @@ class PipelineEngine(Checkpointable):
         method = partition_method(self.cfg, len(spec), stages)
         if method == "uniform":
             bounds, costs = partition.uniform(len(spec), stages), None
+        elif method == "params":
+            costs = self._element_params(spec)
+            bounds = partition.balanced(costs, stages)
         else:
-            costs = self._element_costs(spec, method)
-            bounds = partition.balanced(costs, stages, self.schedule.stage_ranks)
+            seconds = self._element_seconds(spec)
+            costs = [e["F"] + e["B"] for e in seconds]
+            if len(set(self.schedule.stage_ranks)) < stages:  # a rank holds several stages
+                bounds = partition.fastest(seconds, self.schedule)
+            else:
+                bounds = partition.balanced(costs, stages)
         log.info(f"partition ({method}): {partition.describe(bounds, costs)}")
         return bounds
 
-    def _element_costs(self, spec: ModelSpec, method: str) -> list[float]:
-        """Parameter counts, or forward+backward seconds measured on rank 0 and broadcast so
-        every rank splits identically. Elements are built one at a time and dropped. Rank 0
-        keeps each element's F, B, BI and BW for the metrics' calibration."""
-        costs = np.zeros(len(spec), np.float64)
-        if method == "params" or self.world.rank == 0:
+    def _element_params(self, spec: ModelSpec) -> list[float]:
+        """Each element's parameter count; every rank builds them one at a time and drops them."""
+        counts = []
+        for i in range(len(spec)):
+            element = spec.build([i], self.cfg.seed)[0]
+            counts.append(float(sum(int(np.prod(v.shape)) for v in element.trainable_weights)))
+        return counts
+
+    def _element_seconds(self, spec: ModelSpec) -> list[dict[str, float]]:
+        """Each element's F, B, BI and BW seconds, measured on rank 0 (elements built one at a
+        time and dropped) and broadcast so every rank splits identically. Rank 0 keeps them
+        for the metrics' calibration."""
+        table = np.zeros((len(spec), len(COMPUTE)), np.float64)
+        if self.world.rank == 0:
             for i in range(len(spec)):
                 element = spec.build([i], self.cfg.seed)[0]
-                if method == "params":
-                    costs[i] = sum(int(np.prod(v.shape)) for v in element.trainable_weights)
-                else:
-                    seconds = time_element(element, (self.mb_size, *self.shapes[i]))
-                    self.element_seconds.append(seconds)
-                    costs[i] = seconds["F"] + seconds["B"]
-        if method == "time":
-            self.world.comm.Bcast(costs, root=0)
-        return costs.tolist()
+                seconds = time_element(element, (self.mb_size, *self.shapes[i]))
+                self.element_seconds.append(seconds)
+                table[i] = [seconds[op] for op in COMPUTE]
+        self.world.comm.Bcast(table, root=0)
+        return [dict(zip(COMPUTE, row.tolist(), strict=True)) for row in table]
 
     # ---- one optimizer step -------------------------------------------------------------
     def set_learning_rate(self, lr: float) -> None:

@@ -1,14 +1,23 @@
 """Split a model's ordered elements into P contiguous stages.
 
 `uniform` balances the element count, `params` the parameter count, and `time` the measured
-forward+backward time. The last two are the same min-max problem over a cost per element, by
-rank: an interleaved rank holds several stages, and what it waits on is their sum.
+forward+backward time. The last two are the same min-max problem over a cost per element:
+with a stage a rank, the costliest stage sets the pace of every step. Interleaving gives a rank
+several stages, and what sets its pace is then the schedule's own, so measured times pick the
+split whose simulated step is shortest (`fastest`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import cache
+from itertools import combinations
+from math import comb
+
+from ringtrain.pipeline.ir import COMPUTE, Schedule
+from ringtrain.pipeline.simulate import simulate
+
+MOST_SIMULATED = 1000  # splits a simulation search tries; more fall back to `balanced`
 
 
 def uniform(n_elements: int, stages: int) -> list[tuple[int, int]]:
@@ -22,28 +31,12 @@ def uniform(n_elements: int, stages: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def balanced(
-    costs: Sequence[float], stages: int, stage_ranks: Sequence[int] | None = None
-) -> list[tuple[int, int]]:
-    """Contiguous split minimising the costliest rank, then the costliest stage.
-
-    A rank's load is the sum of its stages' costs (`stage_ranks[s]` holds stage s; one stage a
-    rank when not given). With a stage a rank, that is the min-max over stages, an exact dynamic
-    programme. Interleaving gives a rank several stages, and the stage-balanced split can load
-    one rank with two heavy ones, so a branch and bound, started from that split and pruning
-    every partial split already costlier, finds the best by rank (n is small)."""
+def balanced(costs: Sequence[float], stages: int) -> list[tuple[int, int]]:
+    """Contiguous split minimising the costliest stage (exact dynamic programme; n is small)."""
+    n = len(costs)
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
-    cuts = _stage_balanced_cuts(prefix, stages)
-    if stage_ranks is not None and len(set(stage_ranks)) < stages:
-        cuts = _rank_balanced_cuts(prefix, stage_ranks, cuts)
-    starts = (0, *cuts[:-1])
-    return list(zip(starts, cuts, strict=True))
-
-
-def _stage_balanced_cuts(prefix: list[float], stages: int) -> tuple[int, ...]:
-    n = len(prefix) - 1
 
     @cache
     def best(start: int, parts: int) -> tuple[float, tuple[int, ...]]:
@@ -55,40 +48,31 @@ def _stage_balanced_cuts(prefix: list[float], stages: int) -> tuple[int, ...]:
             options.append((max(prefix[end] - prefix[start], rest), (end, *cuts)))
         return min(options)
 
-    return best(0, stages)[1]
+    _, cuts = best(0, stages)
+    starts = (0, *cuts[:-1])
+    return list(zip(starts, cuts, strict=True))
 
 
-def _rank_balanced_cuts(
-    prefix: list[float], stage_ranks: Sequence[int], start_from: tuple[int, ...]
-) -> tuple[int, ...]:
-    n, stages = len(prefix) - 1, len(stage_ranks)
+def fastest(seconds: Sequence[Mapping[str, float]], schedule: Schedule) -> list[tuple[int, int]]:
+    """The contiguous split whose step, simulated with each element's measured F, B, BI and BW
+    seconds (a stage's are its elements' sums; messages free), is shortest; ties go to the one
+    with the cheapest costliest stage. Balancing ranks alone is not enough: a rank's two stages
+    can sum evenly while one of them is twice its neighbours and holds up every microbatch."""
+    n, stages = len(seconds), schedule.stages
+    totals = [e["F"] + e["B"] for e in seconds]
+    if comb(n - 1, stages - 1) > MOST_SIMULATED:
+        return balanced(totals, stages)
 
-    def key(cuts: tuple[int, ...]) -> tuple[float, float]:
-        loads = [0.0] * (max(stage_ranks) + 1)
-        sizes = [prefix[b] - prefix[a] for a, b in zip((0, *cuts[:-1]), cuts, strict=True)]
-        for s, size in enumerate(sizes):
-            loads[stage_ranks[s]] += size
-        return max(loads), max(sizes)
+    def step_key(bounds: list[tuple[int, int]]) -> tuple[float, float]:
+        table = [{op: sum(e[op] for e in seconds[a:b]) for op in COMPUTE} for a, b in bounds]
+        step = simulate(schedule, lambda act: table[act.stage].get(act.op, 0.0)).makespan
+        return step, max(sum(totals[a:b]) for a, b in bounds)
 
-    best = [key(start_from), start_from]
-
-    def search(cuts: tuple[int, ...], loads: tuple[float, ...]) -> None:
-        s, start = len(cuts), cuts[-1] if cuts else 0
-        ends = [n] if s == stages - 1 else range(start + 1, n - (stages - s - 1) + 1)
-        for end in ends:
-            grown = list(loads)
-            grown[stage_ranks[s]] += prefix[end] - prefix[start]
-            if max(grown) > best[0][0]:
-                continue
-            if s == stages - 1:
-                candidate = (*cuts, end)
-                if key(candidate) < best[0]:
-                    best[:] = [key(candidate), candidate]
-            else:
-                search((*cuts, end), tuple(grown))
-
-    search((), (0.0,) * (max(stage_ranks) + 1))
-    return best[1]
+    splits = [
+        list(zip((0, *cuts), (*cuts, n), strict=True))
+        for cuts in combinations(range(1, n), stages - 1)
+    ]
+    return min(splits, key=step_key)
 
 
 def describe(bounds: Sequence[tuple[int, int]], costs: Sequence[float] | None = None) -> str:
