@@ -117,6 +117,15 @@ def test_simulator_takes_measured_costs_and_message_time_by_bytes():
     assert timed.timeline[1] == [("1F0", 1.5, 2.5), ("1B0", 2.5, 3.5)]
 
 
+def test_a_link_carries_one_message_at_a_time_in_each_direction():
+    """GPipe, P=2, M=3 with free computations and a unit per message: the three activations
+    posted at once arrive at 1, 2 and 3, and the three gradients, posted at 3, at 4, 5 and 6."""
+    gpipe = built("gpipe", 2, 3)[0]
+    timed = simulate(gpipe, cost=lambda a: 0.0, message_time=lambda n: 1.0)
+    assert timed.makespan == 6.0
+    assert [start for _, start, _ in timed.timeline[1][:3]] == [1.0, 2.0, 3.0]
+
+
 HAND_TABLES = {
     ("gpipe", 2, 4): ["0F0 0F1 0F2 0F3 0B0 0B1 0B2 0B3", "1F0 1F1 1F2 1F3 1B0 1B1 1B2 1B3"],
     ("1f1b", 2, 4): ["0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3", "1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3"],

@@ -3,13 +3,14 @@
 A prediction needs the seconds of each stage's F, B, BI and BW (and of the host's work around
 each message, REDUCE and STEP), and a message's time by its bytes. The actions' times are read
 from the executor's own trace, over the first steps after the one that traced the graphs
-(CALIBRATION_STEPS); messages are timed by a ping-pong between
-the first two pipeline ranks, through the same Link the executor sends with, at a tiny size and
-at the boundary's size, and fitted to latency + bytes / rate (costs.LinkModel). Each calibration
-step is replayed with its own actions' times (step_actions), not with a median per (stage, op):
-a step is a max of sums, so the spread of its actions adds waiting that no central figure
-carries, and medians under-predicted step time by 3-9% here. The prediction is then compared
-with the steps that follow, which the calibration did not see.
+(CALIBRATION_STEPS). Messages are timed between the first two pipeline ranks, through the
+same Link the executor sends with: a tiny ping-pong for the latency and a window of
+boundary-sized messages for the rate, fitted to latency + bytes / rate (costs.LinkModel).
+
+Each calibration step is replayed with its own actions' times (step_actions), not with a
+median per (stage, op): a step is a max of sums, so the spread of its actions adds waiting
+that no central figure carries, and medians under-predicted step time by 3-9% here. The
+prediction is then compared with the steps that follow, which the calibration did not see.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from ringtrain.pipeline.trace import END, MB, OP, OPS, RANK, STAGE, START, STEP
 
 OP_NAMES = {code: op for op, code in CODES.items()}  # the trace's codes, the IR's op names
 CALIBRATION_STEPS = 3  # after the first, which traces the graphs
-ROUND_TRIPS = 5
+ROUNDS = 5  # timed exchanges per size, after one that sets the connection up
+WINDOW = 8  # messages streamed back to back to time a rate
 
 
 def _durations(rows: np.ndarray, steps: Collection[int]) -> list[tuple[int, Action, float]]:
@@ -84,24 +86,49 @@ def step_actions(
     return replays
 
 
-def ping_pong(link, position: int, sizes: Collection[int], tag: int) -> LinkModel:
-    """Pipeline ranks 0 and 1 time round trips at each size (half a round trip is one
-    message); the others, and a pipeline of one rank, get a free link. Both ranks must call."""
+def measure_link(link, position: int, sizes: Collection[int], tag: int) -> LinkModel:
+    """Pipeline ranks 0 and 1 time the link and both get rank 0's fit; the others, and a
+    pipeline of one rank, get a free link. Both ranks must call.
+
+    The smallest size is timed by ping-pong (half a round trip: the latency). Each larger one
+    is timed as a bandwidth test streams it: a window of WINDOW messages from rank 0, back to
+    back, that rank 1 acknowledges with the smallest. That is what a train of activations
+    meets; a lone large message need not be: a link that shapes its traffic with a token
+    bucket lets one burst through at several times its rate (48 MB/s on a 25 MB/s cap here)."""
     if position > 1 or link.comm.Get_size() < 2:
         return FREE_LINK
     peer = 1 - position
-    samples = []
-    for nbytes in sizes:
-        buf = np.zeros(max(nbytes, 1), np.uint8)
-        trips = []
-        for _ in range(ROUND_TRIPS + 1):  # the first round trip sets the connection up
-            start = time.perf_counter()
-            for sender in (0, 1):
-                if position == sender:
-                    link.send_buffer(buf, peer, tag, "a calibration message")
-                    link.flush()
-                else:
-                    link.recv_buffer(buf, peer, tag, "a calibration message")
-            trips.append(time.perf_counter() - start)
-        samples.append((buf.nbytes, median(trips[1:]) / 2))
-    return LinkModel.fit(samples)
+    smallest, *larger = sorted(sizes)
+    ack = np.zeros(max(smallest, 1), np.uint8)
+    what = "a calibration message"
+
+    def exchange(buf: np.ndarray, count: int) -> float:
+        start = time.perf_counter()
+        if position == 0:
+            for _ in range(count):
+                link.send_buffer(buf, peer, tag, what)
+            link.flush()
+            link.recv_buffer(ack, peer, tag, what)
+        else:
+            for _ in range(count):
+                link.recv_buffer(buf, peer, tag, what)
+            link.send_buffer(ack, peer, tag, what)
+            link.flush()
+        return time.perf_counter() - start
+
+    def timed(buf: np.ndarray, count: int) -> float:
+        # the first exchange sets the connection up
+        return median([exchange(buf, count) for _ in range(ROUNDS + 1)][1:])
+
+    latency = timed(ack, 1) / 2
+    samples = [(ack.nbytes, latency)]
+    for nbytes in larger:
+        window = timed(np.zeros(nbytes, np.uint8), WINDOW) - latency
+        samples.append((WINDOW * nbytes, window))
+    fitted = np.array([value for sample in samples for value in sample], np.float64)
+    if position == 0:
+        link.send_buffer(fitted, peer, tag, what)
+        link.flush()
+    else:
+        link.recv_buffer(fitted, peer, tag, what)
+    return LinkModel.fit([(int(n), float(t)) for n, t in fitted.reshape(-1, 2)])

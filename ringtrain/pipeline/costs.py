@@ -3,8 +3,8 @@
 The simulator (simulate.py) replays a schedule with any cost function; this module turns
 measurements into one. Computations cost what a stage's F, B, BI or BW measured (seconds per
 microbatch); a message costs the link's latency plus its bytes at the link's rate, fitted to
-ping-pong timings at a few sizes. Imports neither TensorFlow nor MPI, so a prediction can be
-checked in milliseconds against synthetic figures with known answers.
+timings of a ping-pong and of windows of messages. Imports neither TensorFlow nor MPI, so a
+prediction can be checked in milliseconds against synthetic figures with known answers.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ from ringtrain.optim import LearningRate, make_optimizer
 from ringtrain.pipeline import partition
 from ringtrain.pipeline.calibrate import (
     CALIBRATION_STEPS,
-    ping_pong,
+    measure_link,
     stage_seconds,
     step_actions,
 )
@@ -240,7 +240,7 @@ class PipelineEngine(Checkpointable):
         """Time messages between the first two pipeline ranks (collective in the pipeline)."""
         sizes = (8, max(self.boundary_bytes, default=8))
         tag = message_tag(self.stage_count, self.cfg.microbatches, self.stage_count)  # above all
-        self.link_model = ping_pong(self.link, self.position, sizes, tag)
+        self.link_model = measure_link(self.link, self.position, sizes, tag)
 
     def _who(self, rank: int) -> str:
         """How errors name a peer: its stages, and its rank for finding the process."""

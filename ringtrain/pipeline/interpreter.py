@@ -5,7 +5,10 @@ can complete does), then every idle rank whose next action is not a message star
 busy for `cost(action)`. With `blocking` sends a SEND and its RECV complete together, as a
 rendezvous (MPI Ssend); otherwise a SEND never waits (MPI Isend) and its tensor reaches the
 receiver `transfer(send)` later. There a message's own `cost` is the host's work around it
-(posting, copying out), before the bytes leave and after they arrive.
+(posting, copying out), before the bytes leave and after they arrive, and the link from one
+rank to another carries one message at a time: a send posted while an earlier one is still
+on that wire starts after it (each direction on its own, as links are full duplex). Without
+that, GPipe's eight activations posted back to back would all arrive as soon as one.
 
 A *witness* run walks compute orders that have no messages yet: when a rank's next compute
 lacks a tensor that another rank has already made, and that rank is between actions, the pair
@@ -76,6 +79,7 @@ class _Loop:
         self.made: dict[Tensor, float] = {}  # witness: tensor -> when its compute ended
         self.received: set[Tensor] = set()  # witness: tensors delivered to their consumer
         self.arrives: dict[Tensor, float] = {}  # buffered sends: tensor -> arrival time
+        self.wire_free: dict[tuple[int, int], float] = {}  # (from, to) rank -> when it is idle
         self.done: set[Action] = set()
         self.t = 0.0
 
@@ -140,9 +144,11 @@ class _Loop:
             self._record(r, a, max(self.t, self.arrives.pop(tensor)) + self.cost(a))
             self.pc[r] += 1
             return True
-        if not self.blocking:  # the sender's own work, then the bytes on the wire
-            self.arrives[tensor] = self.t + self.cost(a) + self.transfer(a)
-            self._record(r, a, self.t + self.cost(a))
+        if not self.blocking:  # the sender's own work, then the bytes on the wire, in turn
+            posted = self.t + self.cost(a)
+            leaves = max(posted, self.wire_free.get((r, peer), 0.0))
+            self.arrives[tensor] = self.wire_free[(r, peer)] = leaves + self.transfer(a)
+            self._record(r, a, posted)
             self.pc[r] += 1
             return True
         if not (self._left(peer) and self._free(peer)) or self.lists[peer][self.pc[peer]] != recv:

@@ -6,10 +6,10 @@ element's F, B, BI and BW the way the pipeline executor runs them. Both at two s
 16th and a half of the global batch: the microbatches and per-rank batches the planner
 considers lie between), fitted as fixed + per-sample seconds. Horovod's allreduce is timed at
 several sizes up to the model's gradient bytes and fitted to latency + bytes / rate;
-point-to-point messages by the pipeline's own ping-pong (pipeline.calibrate). The resident set
-after TensorFlow's import is the baseline a rank pays before any model, and the high-water mark
-after the data-parallel step (and one allreduce of its gradients) what that step adds at half
-the batch. Rank 0 writes the JSON to --out.
+point-to-point messages as the pipeline's own calibration times them (pipeline.calibrate). The
+resident set after TensorFlow's import is the baseline a rank pays before any model, and the
+high-water mark after the data-parallel step (and one allreduce of its gradients) what that
+step adds at half the batch. Rank 0 writes the JSON to --out.
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ def main(argv: list[str]) -> None:
     from ringtrain.data import load_dataset
     from ringtrain.heartbeat import gather_hosts
     from ringtrain.models import BUILTIN
-    from ringtrain.pipeline.calibrate import ping_pong
+    from ringtrain.pipeline.calibrate import measure_link
     from ringtrain.pipeline.costs import LinkModel
     from ringtrain.runtime import start
     from ringtrain.tensorflow_loader import RESIDENT_AFTER_IMPORT, tf
@@ -205,7 +205,7 @@ def main(argv: list[str]) -> None:
         report["step_peak"] = [peak - RESIDENT_AFTER_IMPORT, _sample_counts(args.batch_size)[1]]
     world.comm.Barrier()
     allreduce = LinkModel.fit(_allreduce(world.comm, params * 4))
-    p2p = ping_pong(Link(world.comm, timeout=60.0), world.rank, P2P_SIZES, tag=7)
+    p2p = measure_link(Link(world.comm, timeout=60.0), world.rank, P2P_SIZES, tag=7)
     report["allreduce"], report["p2p"] = allreduce.to_json(), p2p.to_json()
     report["elements"] = elements
     if args.compute:  # after the step's high-water mark was read
