@@ -64,9 +64,10 @@ def pipeline_table(report: dict) -> str:
         f"of one thread each (bound to a core each), against one process with one thread (one "
         f"core) and with two (both cores); medians of {report['rounds']} alternating rounds of "
         f"{report['steps_per_measurement']} steps{_mode(report)}. Each timing predicts its "
-        "later steps from its first 3 (their stage times, and a ping-pong link model); the gap "
-        "and the error (predicted over measured step, less 1) are the medians of each round's "
-        "prediction against that round's measurement."
+        "later steps from its first 3 (the median of their replays, each with its own action "
+        "times, and a link model timed before training); the gap and the error (predicted over "
+        "measured step, less 1) are the medians of each round's prediction against that "
+        "round's measurement."
     )
     name = Path(report.get("png", "benchmarks/results/pipeline.png")).name
     picture = f"![pipeline benchmark](benchmarks/results/{name})"
