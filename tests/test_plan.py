@@ -4,12 +4,13 @@ its bad inputs in one line each, and one calibration checked against the clock."
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from conftest import one_line_error, ringtrain
 
-from ringtrain.pipeline.costs import FREE_LINK, LinkModel
+from ringtrain.pipeline.costs import FREE_LINK, LinkModel, MeasuredCurve
 from ringtrain.plan import costmodel
 from ringtrain.plan.cli import fingerprint
 from ringtrain.plan.costmodel import Calibration, Candidate, ElementCost
@@ -69,6 +70,22 @@ def test_ring_allreduce_time_follows_the_textbook_formula():
     assert costmodel.allreduce_seconds(link, 4, 10**6) == pytest.approx(6 * MS + 1.5 * MS)
 
 
+def test_a_measured_curve_is_exact_where_timed_and_straight_between():
+    # a token bucket's shape: what fits the burst is fast, the rest goes at the cap
+    curve = MeasuredCurve.of([(1 << 20, 40 * MS), (4096, 1 * MS), (64 << 10, 2 * MS)])
+    timed = [curve.time(n) for n in (4096, 64 << 10, 1 << 20)]
+    assert timed == pytest.approx([MS, 2 * MS, 40 * MS])
+    assert curve.time(34 << 10) == pytest.approx(1.5 * MS, rel=0.02)  # halfway along the line
+    assert curve.time(2 << 20) == pytest.approx(80 * MS, rel=0.03)  # past the end, its slope
+    assert curve.time(0) >= 0.0
+    # 4 ranks: 3 two-rank allreduces of half the bytes each
+    assert costmodel.allreduce_seconds(curve, 4, 1 << 20) == pytest.approx(3 * curve.time(1 << 19))
+    # a straight curve gives the textbook ring time
+    line = LinkModel(latency=2 * MS, bytes_per_second=1e9)
+    straight = MeasuredCurve.of([(n, line.time(n)) for n in (10**3, 10**7)])
+    assert costmodel.allreduce_seconds(straight, 4, 10**6) == pytest.approx(6 * MS + 1.5 * MS)
+
+
 def test_data_parallel_is_compute_plus_the_allreduce_and_state_is_counted():
     cal = synthetic(params=250_000, link=LinkModel(0.0, 1e9))  # 4 MB of gradients
     p = costmodel.predict_data_parallel(cal, ranks=2, nodes=1, batch=64, fp16=False)
@@ -80,6 +97,21 @@ def test_data_parallel_is_compute_plus_the_allreduce_and_state_is_counted():
     assert p.peak_bytes == 1000 + 4 * 250_000 * 4 * 2 + 4 * 20 * 4 * 32
     fp16 = costmodel.predict_data_parallel(cal, ranks=2, nodes=1, batch=64, fp16=True)
     assert fp16.exposed_comm_seconds == pytest.approx(2e6 / 1e9)
+
+
+def test_what_the_engine_s_step_took_beyond_its_parts_is_added_to_every_data_parallel_step():
+    plain = synthetic(params=250_000, link=LinkModel(0.0, 1e9))
+    parts = costmodel.predict_data_parallel(plain, ranks=2, nodes=1, batch=64, fp16=False)
+    measured = replace(plain, engine_step=(parts.step_seconds + 1.5 * MS, 64, False))
+    assert measured.step_overhead == pytest.approx(1.5 * MS)
+    for ranks in (2, 4):
+        base = costmodel.predict_data_parallel(plain, ranks, nodes=1, batch=64, fp16=False)
+        more = costmodel.predict_data_parallel(measured, ranks, nodes=1, batch=64, fp16=False)
+        assert more.step_seconds == pytest.approx(base.step_seconds + 1.5 * MS)
+        assert more.exposed_comm_seconds == pytest.approx(base.exposed_comm_seconds + 1.5 * MS)
+    # an engine step faster than its parts (noise) adds nothing, never a negative cost
+    faster = replace(plain, engine_step=(parts.step_seconds / 2, 64, False))
+    assert faster.step_overhead == 0.0
 
 
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
@@ -148,6 +180,9 @@ def _calibration_file(tmp_path: Path, **changes) -> Path:
             for e in cal.elements
         ],
         "step_seconds": list(cal.step_seconds),
+        "engine_step_seconds": 0.0,
+        "batch_size": 64,
+        "compute_measured": "intra",
         "step_peak": list(cal.step_peak),
         "executor": [REFERENCE],
         "stages": [
@@ -155,7 +190,7 @@ def _calibration_file(tmp_path: Path, **changes) -> Path:
             for (a, b), fits in cal.stages.items()
         ],
         "baseline_bytes": cal.baseline_bytes,
-        "allreduce": {"intra": LinkModel(1e-4, 1e9).to_json()},
+        "allreduce": {"intra": MeasuredCurve.of([(4096, 1e-4), (1 << 20, 1.1e-3)]).to_json()},
         "p2p": {"intra": LinkModel(1e-5, 1e9).to_json()},
         **changes,
     }
@@ -183,6 +218,7 @@ def test_plan_prints_the_table_and_one_command_and_json_gives_the_same(tmp_path)
         (["--model", "cnn"], {}, "calibrated for model 'mlp' on 'digits', not 'cnn'"),
         ([], {"elements": "garbage"}, "damaged calibration"),
         ([], {"format": "something else"}, "damaged calibration"),
+        ([], {"format": "ringtrain-calibration/1"}, "calibration format ringtrain-calibration/1"),
         (["--grid", "2x2"], {}, "grid 2x2 needs 4 ranks, but --nodes x --ranks-per-node gives 2"),
         (["--memory-per-rank", "0"], {}, "a rank's memory must be above zero"),
         (["--memory-per-rank", "1K"], {}, "nothing fits in 1024 bytes per rank"),

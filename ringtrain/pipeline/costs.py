@@ -51,6 +51,37 @@ class LinkModel:
 FREE_LINK = LinkModel(0.0, float("inf"))
 
 
+@dataclass(frozen=True)
+class MeasuredCurve:
+    """Seconds against bytes as timed at a few sizes, read between them along straight lines
+    (and past the ends along the nearest segment). A capped link's token bucket lets what fits
+    its burst pass faster than the cap, so no one latency + bytes / rate line holds at every
+    size; timed at the sizes that matter, the curve is exact there."""
+
+    points: tuple[tuple[int, float], ...]  # (bytes, seconds), bytes rising
+
+    def time(self, nbytes: float) -> float:
+        pts = self.points
+        if len(pts) == 1:
+            return pts[0][1]
+        i = next((k for k in range(1, len(pts) - 1) if nbytes < pts[k][0]), len(pts) - 1)
+        (x0, t0), (x1, t1) = pts[i - 1], pts[i]
+        return max(t0 + (t1 - t0) * (nbytes - x0) / (x1 - x0), 0.0)
+
+    @classmethod
+    def of(cls, samples: Sequence[tuple[int, float]]) -> MeasuredCurve:
+        """From (bytes, seconds) samples; a size timed twice keeps its median."""
+        by_size: dict[int, list[float]] = {}
+        for n, t in samples:
+            by_size.setdefault(int(n), []).append(float(t))
+        if not by_size:
+            raise ValueError("a measured curve needs one timing at least")
+        return cls(tuple((n, sorted(ts)[len(ts) // 2]) for n, ts in sorted(by_size.items())))
+
+    def to_json(self) -> dict[str, list]:
+        return {"points": [list(p) for p in self.points]}
+
+
 def predict(
     schedule: Schedule,
     seconds: Mapping[tuple[int, str], float],

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ringtrain.config import MODELS, OPTIMIZERS
 from ringtrain.errors import UserError
-from ringtrain.pipeline.costs import LinkModel
+from ringtrain.pipeline.costs import LinkModel, MeasuredCurve
 from ringtrain.plan.costmodel import (
     FORMAT,
     Calibration,
@@ -174,6 +174,11 @@ def load_calibration(path: str, model: str, dataset: str, force: bool = False) -
 
 def _from_json(doc: dict) -> Calibration:
     if doc.get("format") != FORMAT:
+        if str(doc.get("format", "")).startswith(FORMAT.split("/")[0] + "/"):
+            raise UserError(
+                f"calibration format {doc['format']}, and this ringtrain reads {FORMAT}: "
+                "recalibrate with `ringtrain plan calibrate`"
+            )
         raise ValueError("format")
     elements = [
         ElementCost(
@@ -193,12 +198,18 @@ def _from_json(doc: dict) -> Calibration:
             for k, v in table.items()
         }
 
+    def curves(table: dict) -> dict[str, MeasuredCurve]:
+        return {
+            k: MeasuredCurve.of([(int(n), float(t)) for n, t in v["points"]])
+            for k, v in table.items()
+        }
+
     return Calibration(
         str(doc["model"]),
         str(doc["dataset"]),
         str(doc["optimizer"]),
         elements,
-        links(doc["allreduce"]),
+        curves(doc["allreduce"]),
         links(doc["p2p"]),
         int(doc["baseline_bytes"]),
         tuple(float(v) for v in doc["step_seconds"]),
@@ -220,6 +231,11 @@ def _from_json(doc: dict) -> Calibration:
             for run in doc["executor"]
         ],
         dict(doc["fingerprint"]),
+        (
+            float(doc["engine_step_seconds"]),
+            int(doc["batch_size"]),
+            doc["compute_measured"] == "inter",
+        ),
     )
 
 
@@ -321,6 +337,7 @@ def calibrate(
         "compute_measured": computed,
         "elements": found[computed]["elements"],
         "step_seconds": found[computed]["step_seconds"],
+        "engine_step_seconds": found[computed]["engine_step_seconds"],
         "baseline_bytes": found[computed]["baseline_bytes"],
         "step_peak": found[computed]["step_peak"],
         "stages": found[computed]["stages"],

@@ -8,8 +8,9 @@ calibrations with known answers. The pieces are the ones the rest of ringtrain p
   and each element's F + B (to split the model where the executor's time partition will), all
   fitted as fixed + per_sample x samples (two batch sizes measured by `plan calibrate`);
 - data parallel: the no-overlap roofline, compute + ring allreduce of the gradient bytes, which
-  is how ringtrain's default step runs (one grouped allreduce after the backward); the same
-  function gives the bench's limits (`roofline`);
+  is how ringtrain's default step runs (one allreduce after the backward); the same function
+  gives the bench's limits (`roofline`). Plus what the engine's own step took beyond those two
+  in calibration (Calibration.step_overhead), a per-step cost taken as the same at every D;
 - pipelines: the schedule replayed by the pipeline simulator with measured costs
   (pipeline.costs.predict), each action's cost beyond its compute taken from two short runs of
   the executor itself (executor_overhead), the replica average of a hybrid grid added after;
@@ -19,8 +20,10 @@ calibrations with known answers. The pieces are the ones the rest of ringtrain p
   TensorFlow's import and the runtime's own share, both measured: after a data-parallel step
   (Calibration.runtime_bytes) and in the executor's reference runs (pipeline_runtime_bytes).
 
-A ring allreduce over D ranks moves 2(D-1)/D of the bytes through each link in 2(D-1) steps.
-Calibration times it at D = 2 as latency + bytes / rate, so each of the steps costs latency/2.
+A ring allreduce over D ranks runs 2(D-1) steps, each moving 1/D of the bytes through every
+link. Calibration times Horovod's allreduce on D = 2 at several sizes (a measured curve), and
+two of its steps move 1/D of the bytes each, as one D = 2 allreduce of 2/D of them does: so D
+ranks take D - 1 times a D = 2 allreduce of 2/D of the bytes.
 """
 
 from __future__ import annotations
@@ -29,13 +32,13 @@ import re
 from dataclasses import dataclass, field
 
 from ringtrain.errors import UserError
-from ringtrain.pipeline.costs import LinkModel, predict
+from ringtrain.pipeline.costs import LinkModel, MeasuredCurve, predict
 from ringtrain.pipeline.lower import send_when_made
 from ringtrain.pipeline.partition import balanced
 from ringtrain.pipeline.schedule import build_schedule
 from ringtrain.pipeline.simulate import simulate
 
-FORMAT = "ringtrain-calibration/1"
+FORMAT = "ringtrain-calibration/2"
 FLOAT_BYTES = 4
 OPTIMIZER_SLOTS = {"sgd": 0, "adam": 2}  # float slots per weight (Adam: two moments)
 SCHEDULE_KINDS = ("gpipe", "1f1b", "zb-h1")
@@ -66,7 +69,7 @@ class Calibration:
     dataset: str
     optimizer: str
     elements: list[ElementCost]
-    allreduce: dict[str, LinkModel]  # "intra" (same node) and, if measured, "inter"
+    allreduce: dict[str, MeasuredCurve]  # "intra" (same node) and, if measured, "inter"
     p2p: dict[str, LinkModel]
     baseline_bytes: int  # a rank's resident set right after TensorFlow's import
     step_seconds: tuple[float, float]  # a whole-model compiled step: (fixed s, s per sample)
@@ -78,6 +81,9 @@ class Calibration:
     # action costs beyond the compute above
     executor: list[dict]
     fingerprint: dict = field(default_factory=dict)
+    # ringtrain's data-parallel engine on 2 ranks where the compute was measured: (seconds a
+    # step, the global batch, whether its 2 ranks were on 2 nodes); None: not measured
+    engine_step: tuple[float, int, bool] | None = None
 
     @property
     def runtime_bytes(self) -> int:
@@ -105,10 +111,24 @@ class Calibration:
             found = max(found, ref["added_bytes"] - own)
         return found
 
+    @property
+    def step_overhead(self) -> float:
+        """What ringtrain's data-parallel step took beyond its parts in calibration: the
+        engine's step less the compiled compute alone and a lone allreduce of its gradients
+        (inside the step, Horovod's op waits for its thread's next cycle, and the executor
+        dispatches around it). Never below zero."""
+        if self.engine_step is None:
+            return 0.0
+        seconds, batch, across_nodes = self.engine_step
+        grad_bytes = _weights_bytes(self, range(len(self.elements)), False)[1]
+        link = self.link(self.allreduce, across_nodes)
+        parts = self.step_compute(batch / 2) + allreduce_seconds(link, 2, grad_bytes)
+        return max(seconds - parts, 0.0)
+
     def step_compute(self, samples: float) -> float:
         return _linear(self.step_seconds, samples)
 
-    def link(self, table: dict[str, LinkModel], across_nodes: bool) -> LinkModel:
+    def link(self, table: dict, across_nodes: bool) -> LinkModel | MeasuredCurve:
         if across_nodes and "inter" not in table:
             raise UserError(
                 "the calibration has no across-node figures: run `ringtrain plan calibrate` "
@@ -117,12 +137,12 @@ class Calibration:
         return table["inter" if across_nodes else "intra"]
 
 
-def allreduce_seconds(link: LinkModel, ranks: int, nbytes: int) -> float:
-    """Ring allreduce of nbytes over `ranks` ranks (0 for one rank)."""
+def allreduce_seconds(link: LinkModel | MeasuredCurve, ranks: int, nbytes: int) -> float:
+    """Ring allreduce of nbytes over `ranks` ranks (0 for one rank), from `link`'s time of a
+    2-rank allreduce by size."""
     if ranks < 2:
         return 0.0
-    steps = 2 * (ranks - 1)
-    return steps * link.latency / 2 + steps / ranks * nbytes / link.bytes_per_second
+    return (ranks - 1) * link.time(2 * nbytes / ranks)
 
 
 def roofline(compute: float, allreduce: float) -> tuple[float, float]:
@@ -220,6 +240,7 @@ def predict_data_parallel(cal: Calibration, ranks: int, nodes: int, batch: int, 
     compute = cal.step_compute(per_rank)
     state, grad_bytes = _weights_bytes(cal, everything, fp16)
     comm = allreduce_seconds(cal.link(cal.allreduce, nodes > 1), ranks, grad_bytes)
+    comm += cal.step_overhead
     step, _ = roofline(compute, comm)
     peak = cal.baseline_bytes + cal.runtime_bytes + state
     peak += _activation_bytes(cal, everything, per_rank)

@@ -5,7 +5,7 @@ is timed as one compiled function over the whole model, the way ringtrain runs i
 element's F, B, BI and BW the way the pipeline executor runs them. Both at two sample counts (a
 16th and a half of the global batch: the microbatches and per-rank batches the planner
 considers lie between), fitted as fixed + per-sample seconds. Horovod's allreduce is timed at
-several sizes up to the model's gradient bytes and fitted to latency + bytes / rate;
+several sizes, the model's gradient bytes among them, and read between them along lines;
 point-to-point messages as the pipeline's own calibration times them (pipeline.calibrate). The
 resident set after TensorFlow's import is the baseline a rank pays before any model, and the
 high-water mark after the data-parallel step (and one allreduce of its gradients) what that
@@ -28,6 +28,7 @@ from ringtrain.runtime import resident_bytes
 ALLREDUCE_SIZES = (4 << 10, 256 << 10, 4 << 20)
 P2P_SIZES = (64, 64 << 10, 1 << 20)
 REPEATS = 8
+STEPS_TIMED = 30
 
 
 def _elements(spec, seed: int) -> list[dict]:
@@ -159,12 +160,40 @@ def _whole_step(spec, optimizer_name: str, batch: int, seed: int, hvd, tf) -> tu
     return fit_line(at), peak
 
 
+def _engine_step(spec, data, args, world) -> float:
+    """Seconds a step of ringtrain's own data-parallel engine takes here at the global batch
+    (compute, Horovod's average of the gradients in the compiled step, the optimizer), as
+    `ringtrain train` reports it: the mean over STEPS_TIMED steps after a first that traces.
+    What it takes beyond its compute and a lone allreduce of the same bytes is the per-step
+    cost the cost model adds to every data-parallel prediction."""
+    from ringtrain.config import TrainConfig
+    from ringtrain.data import epoch_batches
+    from ringtrain.dataparallel.engine import DataParallelEngine
+
+    cfg = TrainConfig(
+        model=args.model,
+        dataset=args.dataset,
+        optimizer=args.optimizer,
+        batch_size=args.batch_size,
+        seed=args.seed,
+    )
+    engine = DataParallelEngine(spec, data, cfg, world)
+    batches = epoch_batches(len(data.x), args.batch_size, args.seed, 0)
+    engine.step(batches[0])
+    start = time.perf_counter()
+    for i in range(1, STEPS_TIMED + 1):
+        engine.step(batches[i % len(batches)])
+    return (time.perf_counter() - start) / STEPS_TIMED
+
+
 def _allreduce(comm, grad_bytes: int) -> list[tuple[int, float]]:
     """(bytes, seconds) of Horovod's allreduce at each size, as `bench allreduce` times it:
-    the slowest rank's mean over REPEATS calls, after a first that negotiates."""
+    the slowest rank's mean over REPEATS calls back to back, after a first that negotiates.
+    The model's gradient bytes, and their half (fp16), are among the sizes, so the data-parallel
+    predictions read a time measured at their own size."""
     from ringtrain.bench.allreduce_worker import horovod_sum, slowest_rank_seconds
 
-    sizes = sorted({*ALLREDUCE_SIZES, max(grad_bytes, 4)})
+    sizes = sorted({*ALLREDUCE_SIZES, max(grad_bytes, 4), max(grad_bytes // 8 * 4, 4)})
     return [
         (n, slowest_rank_seconds(comm, horovod_sum(comm, np.ones(n // 4, np.float32)), REPEATS))
         for n in sizes
@@ -187,7 +216,7 @@ def main(argv: list[str]) -> None:
     from ringtrain.heartbeat import gather_hosts
     from ringtrain.models import BUILTIN
     from ringtrain.pipeline.calibrate import measure_link
-    from ringtrain.pipeline.costs import LinkModel
+    from ringtrain.pipeline.costs import MeasuredCurve
     from ringtrain.runtime import start
     from ringtrain.tensorflow_loader import RESIDENT_AFTER_IMPORT, tf
 
@@ -204,11 +233,12 @@ def main(argv: list[str]) -> None:
         )
         report["step_peak"] = [peak - RESIDENT_AFTER_IMPORT, _sample_counts(args.batch_size)[1]]
     world.comm.Barrier()
-    allreduce = LinkModel.fit(_allreduce(world.comm, params * 4))
+    allreduce = MeasuredCurve.of(_allreduce(world.comm, params * 4))
     p2p = measure_link(Link(world.comm, timeout=60.0), world.rank, P2P_SIZES, tag=7)
     report["allreduce"], report["p2p"] = allreduce.to_json(), p2p.to_json()
     report["elements"] = elements
     if args.compute:  # after the step's high-water mark was read
+        report["engine_step_seconds"] = _engine_step(spec, data, args, world)
         for element, seconds in zip(
             elements, _element_seconds(spec, args.batch_size, args.seed), strict=True
         ):
