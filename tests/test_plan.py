@@ -109,9 +109,14 @@ def test_what_the_engine_s_step_took_beyond_its_parts_is_added_to_every_data_par
         more = costmodel.predict_data_parallel(measured, ranks, nodes=1, batch=64, fp16=False)
         assert more.step_seconds == pytest.approx(base.step_seconds + 1.5 * MS)
         assert more.exposed_comm_seconds == pytest.approx(base.exposed_comm_seconds + 1.5 * MS)
-    # an engine step faster than its parts (noise) adds nothing, never a negative cost
-    faster = replace(plain, engine_step=(parts.step_seconds / 2, 64, False))
-    assert faster.step_overhead == 0.0
+    # an engine step faster than its parts takes it off, but a step never beats its compute
+    faster = replace(plain, engine_step=(parts.step_seconds - 1 * MS, 64, False))
+    assert faster.step_overhead == pytest.approx(-1 * MS)
+    quick = costmodel.predict_data_parallel(faster, 2, nodes=1, batch=64, fp16=False)
+    assert quick.step_seconds == pytest.approx(parts.step_seconds - 1 * MS)
+    fastest = replace(plain, engine_step=(parts.compute_seconds / 2, 64, False))
+    floor = costmodel.predict_data_parallel(fastest, 2, nodes=1, batch=64, fp16=False)
+    assert floor.step_seconds == pytest.approx(parts.compute_seconds)
 
 
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])

@@ -201,7 +201,8 @@ def measure(args: argparse.Namespace) -> dict:
         "setting": setting,
         "rounds": args.rounds,
         "steps_per_round": steps,
-        "launch": command[: command.index("-m")],
+        # this machine's interpreter path is no part of the result
+        "launch": [*command[: command.index("-m") - 1], "python"],
         "workloads": reports,
     }
 

@@ -9,8 +9,8 @@ calibrations with known answers. The pieces are the ones the rest of ringtrain p
   fitted as fixed + per_sample x samples (two batch sizes measured by `plan calibrate`);
 - data parallel: the no-overlap roofline, compute + ring allreduce of the gradient bytes, which
   is how ringtrain's default step runs (one allreduce after the backward); the same function
-  gives the bench's limits (`roofline`). Plus what the engine's own step took beyond those two
-  in calibration (Calibration.step_overhead), a per-step cost taken as the same at every D;
+  gives the bench's limits (`roofline`). Plus what the engine's own step took beyond (or
+  short of) those two in calibration (Calibration.step_overhead), taken as the same at every D;
 - pipelines: the schedule replayed by the pipeline simulator with measured costs
   (pipeline.costs.predict), each action's cost beyond its compute taken from two short runs of
   the executor itself (executor_overhead), the replica average of a hybrid grid added after;
@@ -113,17 +113,17 @@ class Calibration:
 
     @property
     def step_overhead(self) -> float:
-        """What ringtrain's data-parallel step took beyond its parts in calibration: the
-        engine's step less the compiled compute alone and a lone allreduce of its gradients
-        (inside the step, Horovod's op waits for its thread's next cycle, and the executor
-        dispatches around it). Never below zero."""
+        """What ringtrain's data-parallel step took beyond its parts in calibration, signed:
+        the engine's step less the compiled compute alone and a lone allreduce of its
+        gradients. Inside the step, Horovod's op waits for its thread's next cycle and the
+        executor dispatches around it (more); a lone allreduce pays its own fixed cost, which
+        in a step partly hides behind the compute's tail (less)."""
         if self.engine_step is None:
             return 0.0
         seconds, batch, across_nodes = self.engine_step
         grad_bytes = _weights_bytes(self, range(len(self.elements)), False)[1]
         link = self.link(self.allreduce, across_nodes)
-        parts = self.step_compute(batch / 2) + allreduce_seconds(link, 2, grad_bytes)
-        return max(seconds - parts, 0.0)
+        return seconds - self.step_compute(batch / 2) - allreduce_seconds(link, 2, grad_bytes)
 
     def step_compute(self, samples: float) -> float:
         return _linear(self.step_seconds, samples)
@@ -239,8 +239,8 @@ def predict_data_parallel(cal: Calibration, ranks: int, nodes: int, batch: int, 
     everything = range(len(cal.elements))
     compute = cal.step_compute(per_rank)
     state, grad_bytes = _weights_bytes(cal, everything, fp16)
-    comm = allreduce_seconds(cal.link(cal.allreduce, nodes > 1), ranks, grad_bytes)
-    comm += cal.step_overhead
+    allreduce = allreduce_seconds(cal.link(cal.allreduce, nodes > 1), ranks, grad_bytes)
+    comm = max(allreduce + cal.step_overhead, 0.0)  # the step is never below its compute
     step, _ = roofline(compute, comm)
     peak = cal.baseline_bytes + cal.runtime_bytes + state
     peak += _activation_bytes(cal, everything, per_rank)
