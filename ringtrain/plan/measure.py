@@ -166,6 +166,7 @@ def _engine_step(spec, data, args, world) -> float:
     `ringtrain train` reports it: the mean over STEPS_TIMED steps after a first that traces.
     What it takes beyond its compute and a lone allreduce of the same bytes is the per-step
     cost the cost model adds to every data-parallel prediction."""
+    from ringtrain.bench.roofline_worker import timed_steps
     from ringtrain.config import TrainConfig
     from ringtrain.data import epoch_batches
     from ringtrain.dataparallel.engine import DataParallelEngine
@@ -179,11 +180,9 @@ def _engine_step(spec, data, args, world) -> float:
     )
     engine = DataParallelEngine(spec, data, cfg, world)
     batches = epoch_batches(len(data.x), args.batch_size, args.seed, 0)
-    engine.step(batches[0])
-    start = time.perf_counter()
-    for i in range(1, STEPS_TIMED + 1):
-        engine.step(batches[i % len(batches)])
-    return (time.perf_counter() - start) / STEPS_TIMED
+    # The epoch's batches, cycled when it is shorter than the steps timed.
+    stream = np.resize(batches, (STEPS_TIMED + 1, batches.shape[1]))
+    return timed_steps(engine.step, stream) / 1e3
 
 
 def _allreduce(comm, grad_bytes: int) -> list[tuple[int, float]]:
@@ -193,7 +192,8 @@ def _allreduce(comm, grad_bytes: int) -> list[tuple[int, float]]:
     predictions read a time measured at their own size."""
     from ringtrain.bench.allreduce_worker import horovod_sum, slowest_rank_seconds
 
-    sizes = sorted({*ALLREDUCE_SIZES, max(grad_bytes, 4), max(grad_bytes // 8 * 4, 4)})
+    fp16_bytes = grad_bytes // 8 * 4  # fp16 halves the bytes; timed as whole float32s
+    sizes = sorted({*ALLREDUCE_SIZES, max(grad_bytes, 4), max(fp16_bytes, 4)})
     return [
         (n, slowest_rank_seconds(comm, horovod_sum(comm, np.ones(n // 4, np.float32)), REPEATS))
         for n in sizes
