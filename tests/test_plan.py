@@ -102,20 +102,23 @@ def test_data_parallel_is_compute_plus_the_allreduce_and_state_is_counted():
 def test_what_the_engine_s_step_took_beyond_its_parts_is_added_to_every_data_parallel_step():
     plain = synthetic(params=250_000, link=LinkModel(0.0, 1e9))
     parts = costmodel.predict_data_parallel(plain, ranks=2, nodes=1, batch=64, fp16=False)
-    measured = replace(plain, engine_step=(parts.step_seconds + 1.5 * MS, 64, False))
-    assert measured.step_overhead == pytest.approx(1.5 * MS)
+    halved = costmodel.predict_data_parallel(plain, ranks=2, nodes=1, batch=64, fp16=True)
+    engine = (parts.step_seconds + 1.5 * MS, halved.step_seconds + 0.5 * MS, 64, False)
+    measured = replace(plain, engine_step=engine)
+    assert measured.step_overhead(False) == pytest.approx(1.5 * MS)
+    assert measured.step_overhead(True) == pytest.approx(0.5 * MS)  # fp16 has its own
     for ranks in (2, 4):
-        base = costmodel.predict_data_parallel(plain, ranks, nodes=1, batch=64, fp16=False)
-        more = costmodel.predict_data_parallel(measured, ranks, nodes=1, batch=64, fp16=False)
-        assert more.step_seconds == pytest.approx(base.step_seconds + 1.5 * MS)
-        assert more.exposed_comm_seconds == pytest.approx(base.exposed_comm_seconds + 1.5 * MS)
+        for fp16, extra in ((False, 1.5 * MS), (True, 0.5 * MS)):
+            base = costmodel.predict_data_parallel(plain, ranks, nodes=1, batch=64, fp16=fp16)
+            more = costmodel.predict_data_parallel(measured, ranks, nodes=1, batch=64, fp16=fp16)
+            assert more.step_seconds == pytest.approx(base.step_seconds + extra)
+            assert more.exposed_comm_seconds == pytest.approx(base.exposed_comm_seconds + extra)
     # an engine step faster than its parts takes it off, but a step never beats its compute
-    faster = replace(plain, engine_step=(parts.step_seconds - 1 * MS, 64, False))
-    assert faster.step_overhead == pytest.approx(-1 * MS)
+    faster = replace(plain, engine_step=(parts.step_seconds - 1 * MS, 0.0, 64, False))
+    assert faster.step_overhead(False) == pytest.approx(-1 * MS)
     quick = costmodel.predict_data_parallel(faster, 2, nodes=1, batch=64, fp16=False)
     assert quick.step_seconds == pytest.approx(parts.step_seconds - 1 * MS)
-    fastest = replace(plain, engine_step=(parts.compute_seconds / 2, 64, False))
-    floor = costmodel.predict_data_parallel(fastest, 2, nodes=1, batch=64, fp16=False)
+    floor = costmodel.predict_data_parallel(faster, 2, nodes=1, batch=64, fp16=True)
     assert floor.step_seconds == pytest.approx(parts.compute_seconds)
 
 
@@ -185,7 +188,7 @@ def _calibration_file(tmp_path: Path, **changes) -> Path:
             for e in cal.elements
         ],
         "step_seconds": list(cal.step_seconds),
-        "engine_step_seconds": 0.0,
+        "engine_step_seconds": {"float32": 0.0, "fp16": 0.0},
         "batch_size": 64,
         "compute_measured": "intra",
         "step_peak": list(cal.step_peak),

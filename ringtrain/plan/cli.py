@@ -232,7 +232,8 @@ def _from_json(doc: dict) -> Calibration:
         ],
         dict(doc["fingerprint"]),
         (
-            float(doc["engine_step_seconds"]),
+            float(doc["engine_step_seconds"]["float32"]),
+            float(doc["engine_step_seconds"]["fp16"]),
             int(doc["batch_size"]),
             doc["compute_measured"] == "inter",
         ),

@@ -10,7 +10,8 @@ calibrations with known answers. The pieces are the ones the rest of ringtrain p
 - data parallel: the no-overlap roofline, compute + ring allreduce of the gradient bytes, which
   is how ringtrain's default step runs (one allreduce after the backward); the same function
   gives the bench's limits (`roofline`). Plus what the engine's own step took beyond (or
-  short of) those two in calibration (Calibration.step_overhead), taken as the same at every D;
+  short of) those two in calibration (Calibration.step_overhead, with and without fp16), taken
+  as the same at every D;
 - pipelines: the schedule replayed by the pipeline simulator with measured costs
   (pipeline.costs.predict), each action's cost beyond its compute taken from two short runs of
   the executor itself (executor_overhead), the replica average of a hybrid grid added after;
@@ -38,7 +39,7 @@ from ringtrain.pipeline.partition import balanced
 from ringtrain.pipeline.schedule import build_schedule
 from ringtrain.pipeline.simulate import simulate
 
-FORMAT = "ringtrain-calibration/2"
+FORMAT = "ringtrain-calibration/3"
 FLOAT_BYTES = 4
 OPTIMIZER_SLOTS = {"sgd": 0, "adam": 2}  # float slots per weight (Adam: two moments)
 SCHEDULE_KINDS = ("gpipe", "1f1b", "zb-h1")
@@ -82,8 +83,9 @@ class Calibration:
     executor: list[dict]
     fingerprint: dict = field(default_factory=dict)
     # ringtrain's data-parallel engine on 2 ranks where the compute was measured: (seconds a
-    # step, the global batch, whether its 2 ranks were on 2 nodes); None: not measured
-    engine_step: tuple[float, int, bool] | None = None
+    # step, the same with --fp16-allreduce, the global batch, whether its 2 ranks were on 2
+    # nodes); None: not measured
+    engine_step: tuple[float, float, int, bool] | None = None
 
     @property
     def runtime_bytes(self) -> int:
@@ -111,18 +113,19 @@ class Calibration:
             found = max(found, ref["added_bytes"] - own)
         return found
 
-    @property
-    def step_overhead(self) -> float:
+    def step_overhead(self, fp16: bool) -> float:
         """What ringtrain's data-parallel step took beyond its parts in calibration, signed:
-        the engine's step less the compiled compute alone and a lone allreduce of its
-        gradients. Inside the step, Horovod's op waits for its thread's next cycle and the
+        the engine's step less the compiled compute alone and a lone allreduce of the bytes it
+        sends. Inside the step, Horovod's op waits for its thread's next cycle and the
         executor dispatches around it (more); a lone allreduce pays its own fixed cost, which
-        in a step partly hides behind the compute's tail (less)."""
+        in a step partly hides behind the compute's tail (less). fp16 has its own: its casts,
+        and a capped link's token bucket, which passes half the bytes at a different rate."""
         if self.engine_step is None:
             return 0.0
-        seconds, batch, across_nodes = self.engine_step
-        grad_bytes = _weights_bytes(self, range(len(self.elements)), False)[1]
+        exact, halved, batch, across_nodes = self.engine_step
+        grad_bytes = _weights_bytes(self, range(len(self.elements)), fp16)[1]
         link = self.link(self.allreduce, across_nodes)
+        seconds = halved if fp16 else exact
         return seconds - self.step_compute(batch / 2) - allreduce_seconds(link, 2, grad_bytes)
 
     def step_compute(self, samples: float) -> float:
@@ -240,7 +243,7 @@ def predict_data_parallel(cal: Calibration, ranks: int, nodes: int, batch: int, 
     compute = cal.step_compute(per_rank)
     state, grad_bytes = _weights_bytes(cal, everything, fp16)
     allreduce = allreduce_seconds(cal.link(cal.allreduce, nodes > 1), ranks, grad_bytes)
-    comm = max(allreduce + cal.step_overhead, 0.0)  # the step is never below its compute
+    comm = max(allreduce + cal.step_overhead(fp16), 0.0)  # the step is never below its compute
     step, _ = roofline(compute, comm)
     peak = cal.baseline_bytes + cal.runtime_bytes + state
     peak += _activation_bytes(cal, everything, per_rank)

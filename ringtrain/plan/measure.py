@@ -29,6 +29,7 @@ ALLREDUCE_SIZES = (4 << 10, 256 << 10, 4 << 20)
 P2P_SIZES = (64, 64 << 10, 1 << 20)
 REPEATS = 8
 STEPS_TIMED = 30
+ENGINE_BLOCKS = 3
 
 
 def _elements(spec, seed: int) -> list[dict]:
@@ -160,12 +161,13 @@ def _whole_step(spec, optimizer_name: str, batch: int, seed: int, hvd, tf) -> tu
     return fit_line(at), peak
 
 
-def _engine_step(spec, data, args, world) -> float:
+def _engine_step(spec, data, args, world, fp16: bool) -> float:
     """Seconds a step of ringtrain's own data-parallel engine takes here at the global batch
-    (compute, Horovod's average of the gradients in the compiled step, the optimizer), as
-    `ringtrain train` reports it: the mean over STEPS_TIMED steps after a first that traces.
-    What it takes beyond its compute and a lone allreduce of the same bytes is the per-step
-    cost the cost model adds to every data-parallel prediction."""
+    (compute, Horovod's average of the gradients in the compiled step, the optimizer), with
+    or without `--fp16-allreduce`: the median of ENGINE_BLOCKS means of STEPS_TIMED steps,
+    each block after an untimed step, so one slow stretch of a noisy machine does not decide
+    it. What it takes beyond its compute and a lone allreduce of the bytes it sends is the
+    per-step cost the cost model adds to each data-parallel prediction of the same kind."""
     from ringtrain.bench.roofline_worker import timed_steps
     from ringtrain.config import TrainConfig
     from ringtrain.data import epoch_batches
@@ -177,12 +179,13 @@ def _engine_step(spec, data, args, world) -> float:
         optimizer=args.optimizer,
         batch_size=args.batch_size,
         seed=args.seed,
+        fp16_allreduce=fp16,
     )
     engine = DataParallelEngine(spec, data, cfg, world)
     batches = epoch_batches(len(data.x), args.batch_size, args.seed, 0)
     # The epoch's batches, cycled when it is shorter than the steps timed.
-    stream = np.resize(batches, (STEPS_TIMED + 1, batches.shape[1]))
-    return timed_steps(engine.step, stream) / 1e3
+    stream = np.resize(batches, (ENGINE_BLOCKS * (STEPS_TIMED + 1), batches.shape[1]))
+    return median(timed_steps(engine.step, b) for b in np.split(stream, ENGINE_BLOCKS)) / 1e3
 
 
 def _allreduce(comm, grad_bytes: int) -> list[tuple[int, float]]:
@@ -238,7 +241,10 @@ def main(argv: list[str]) -> None:
     report["allreduce"], report["p2p"] = allreduce.to_json(), p2p.to_json()
     report["elements"] = elements
     if args.compute:  # after the step's high-water mark was read
-        report["engine_step_seconds"] = _engine_step(spec, data, args, world)
+        report["engine_step_seconds"] = {
+            kind: _engine_step(spec, data, args, world, kind == "fp16")
+            for kind in ("float32", "fp16")
+        }
         for element, seconds in zip(
             elements, _element_seconds(spec, args.batch_size, args.seed), strict=True
         ):
