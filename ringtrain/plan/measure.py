@@ -29,7 +29,7 @@ ALLREDUCE_SIZES = (4 << 10, 256 << 10, 4 << 20)
 P2P_SIZES = (64, 64 << 10, 1 << 20)
 REPEATS = 8
 STEPS_TIMED = 30
-ENGINE_BLOCKS = 3
+ENGINE_BLOCKS = 5
 
 
 def _elements(spec, seed: int) -> list[dict]:
@@ -161,31 +161,43 @@ def _whole_step(spec, optimizer_name: str, batch: int, seed: int, hvd, tf) -> tu
     return fit_line(at), peak
 
 
-def _engine_step(spec, data, args, world, fp16: bool) -> float:
+def _engine_steps(spec, data, args, world) -> dict[str, float]:
     """Seconds a step of ringtrain's own data-parallel engine takes here at the global batch
-    (compute, Horovod's average of the gradients in the compiled step, the optimizer), with
-    or without `--fp16-allreduce`: the median of ENGINE_BLOCKS means of STEPS_TIMED steps,
-    each block after an untimed step, so one slow stretch of a noisy machine does not decide
-    it. What it takes beyond its compute and a lone allreduce of the bytes it sends is the
-    per-step cost the cost model adds to each data-parallel prediction of the same kind."""
+    (compute, Horovod's average of the gradients in the compiled step, the optimizer), without
+    and with `--fp16-allreduce`. The two take turns, a block of STEPS_TIMED steps after an
+    untimed one each, for ENGINE_BLOCKS rounds, and each gives its median block, so a slow
+    stretch of a noisy machine or link decides neither. What a step takes beyond its compute
+    and a lone allreduce of the bytes it sends is the per-step cost the cost model adds to
+    each data-parallel prediction of its kind."""
     from ringtrain.bench.roofline_worker import timed_steps
     from ringtrain.config import TrainConfig
     from ringtrain.data import epoch_batches
     from ringtrain.dataparallel.engine import DataParallelEngine
 
-    cfg = TrainConfig(
-        model=args.model,
-        dataset=args.dataset,
-        optimizer=args.optimizer,
-        batch_size=args.batch_size,
-        seed=args.seed,
-        fp16_allreduce=fp16,
-    )
-    engine = DataParallelEngine(spec, data, cfg, world)
+    engines = {
+        kind: DataParallelEngine(
+            spec,
+            data,
+            TrainConfig(
+                model=args.model,
+                dataset=args.dataset,
+                optimizer=args.optimizer,
+                batch_size=args.batch_size,
+                seed=args.seed,
+                fp16_allreduce=kind == "fp16",
+            ),
+            world,
+        )
+        for kind in ("float32", "fp16")
+    }
     batches = epoch_batches(len(data.x), args.batch_size, args.seed, 0)
-    # The epoch's batches, cycled when it is shorter than the steps timed.
-    stream = np.resize(batches, (ENGINE_BLOCKS * (STEPS_TIMED + 1), batches.shape[1]))
-    return median(timed_steps(engine.step, b) for b in np.split(stream, ENGINE_BLOCKS)) / 1e3
+    # The epoch's batches, cycled when it is shorter than a block.
+    block = np.resize(batches, (STEPS_TIMED + 1, batches.shape[1]))
+    blocks: dict[str, list[float]] = {kind: [] for kind in engines}
+    for _ in range(ENGINE_BLOCKS):
+        for kind, engine in engines.items():
+            blocks[kind].append(timed_steps(engine.step, block) / 1e3)
+    return {kind: median(seconds) for kind, seconds in blocks.items()}
 
 
 def _allreduce(comm, grad_bytes: int) -> list[tuple[int, float]]:
@@ -241,10 +253,7 @@ def main(argv: list[str]) -> None:
     report["allreduce"], report["p2p"] = allreduce.to_json(), p2p.to_json()
     report["elements"] = elements
     if args.compute:  # after the step's high-water mark was read
-        report["engine_step_seconds"] = {
-            kind: _engine_step(spec, data, args, world, kind == "fp16")
-            for kind in ("float32", "fp16")
-        }
+        report["engine_step_seconds"] = _engine_steps(spec, data, args, world)
         for element, seconds in zip(
             elements, _element_seconds(spec, args.batch_size, args.seed), strict=True
         ):
