@@ -74,7 +74,8 @@ class Calibration:
     p2p: dict[str, LinkModel]
     baseline_bytes: int  # a rank's resident set right after TensorFlow's import
     step_seconds: tuple[float, float]  # a whole-model compiled step: (fixed s, s per sample)
-    step_peak: tuple[int, float]  # (bytes that step added to the high-water mark, its samples)
+    # (bytes the data-parallel engine's steps added to the high-water mark, samples a rank ran)
+    step_peak: tuple[int, float]
     # elements [a, b) run as one pipeline stage: op (F, B, BW, STEP) -> (fixed s, s per sample)
     stages: dict[tuple[int, int], dict[str, tuple[float, float]]]
     # 2-stage 1F1B runs of the executor at two microbatch sizes: each one's partition,

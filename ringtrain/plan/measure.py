@@ -127,11 +127,9 @@ def _sample_counts(batch: int) -> tuple[int, int]:
     return max(1, batch // 16), max(2, batch // 2)
 
 
-def _whole_step(spec, optimizer_name: str, batch: int, seed: int, hvd, tf) -> tuple[list, int]:
+def _whole_step(spec, optimizer_name: str, batch: int, seed: int, tf) -> list:
     """A data-parallel step's compute as ringtrain compiles it (forward, backward and the
-    optimizer in one function), fitted as fixed + per sample; and the high-water mark the
-    process reached with it at half the batch and one allreduce of its gradients, read before
-    the second batch size traces a second graph that training would never hold."""
+    optimizer in one function), fitted as fixed + per sample."""
     from ringtrain.models import forward, loss_fn, trainable_variables
 
     elements = spec.build(range(len(spec)), seed)
@@ -145,8 +143,8 @@ def _whole_step(spec, optimizer_name: str, batch: int, seed: int, hvd, tf) -> tu
         optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables, strict=True))
         return loss
 
-    at, peak = {}, 0
-    for n in sorted(_sample_counts(batch), reverse=True):
+    at = {}
+    for n in _sample_counts(batch):
         x = tf.random.normal((n, *spec.input_shape))
         y = tf.zeros((n,), tf.int32)
         times = []
@@ -155,49 +153,46 @@ def _whole_step(spec, optimizer_name: str, batch: int, seed: int, hvd, tf) -> tu
             step(x, y).numpy()
             times.append(time.perf_counter() - start)
         at[n] = median(times[1:])
-        if not peak:
-            hvd.allreduce(tf.concat([tf.reshape(v, [-1]) for v in variables], 0)).numpy()
-            peak = resident_bytes("VmHWM")
-    return fit_line(at), peak
+    return fit_line(at)
 
 
-def _engine_steps(spec, data, args, world) -> dict[str, float]:
+def _engine_steps(spec, data, args, world) -> tuple[dict[str, float], int]:
     """Seconds a step of ringtrain's own data-parallel engine takes here at the global batch
     (compute, Horovod's average of the gradients in the compiled step, the optimizer), without
-    and with `--fp16-allreduce`. The two take turns, a block of STEPS_TIMED steps after an
-    untimed one each, for ENGINE_BLOCKS rounds, and each gives its median block, so a slow
-    stretch of a noisy machine or link decides neither. What a step takes beyond its compute
-    and a lone allreduce of the bytes it sends is the per-step cost the cost model adds to
-    each data-parallel prediction of its kind."""
+    and with `--fp16-allreduce`; and the high-water mark after the first's opening block, a
+    training rank's own, read before the second engine adds to it. The two take turns, a block
+    of STEPS_TIMED steps after an untimed one each, for ENGINE_BLOCKS rounds, and each gives
+    its median block, so a slow stretch of a noisy machine or link decides neither. What a
+    step takes beyond its compute and a lone allreduce of the bytes it sends is the per-step
+    cost the cost model adds to each data-parallel prediction of its kind."""
     from ringtrain.bench.roofline_worker import timed_steps
     from ringtrain.config import TrainConfig
     from ringtrain.data import epoch_batches
     from ringtrain.dataparallel.engine import DataParallelEngine
 
-    engines = {
-        kind: DataParallelEngine(
-            spec,
-            data,
-            TrainConfig(
-                model=args.model,
-                dataset=args.dataset,
-                optimizer=args.optimizer,
-                batch_size=args.batch_size,
-                seed=args.seed,
-                fp16_allreduce=kind == "fp16",
-            ),
-            world,
+    def engine(kind: str) -> DataParallelEngine:
+        cfg = TrainConfig(
+            model=args.model,
+            dataset=args.dataset,
+            optimizer=args.optimizer,
+            batch_size=args.batch_size,
+            seed=args.seed,
+            fp16_allreduce=kind == "fp16",
         )
-        for kind in ("float32", "fp16")
-    }
+        return DataParallelEngine(spec, data, cfg, world)
+
     batches = epoch_batches(len(data.x), args.batch_size, args.seed, 0)
     # The epoch's batches, cycled when it is shorter than a block.
     block = np.resize(batches, (STEPS_TIMED + 1, batches.shape[1]))
-    blocks: dict[str, list[float]] = {kind: [] for kind in engines}
-    for _ in range(ENGINE_BLOCKS):
-        for kind, engine in engines.items():
-            blocks[kind].append(timed_steps(engine.step, block) / 1e3)
-    return {kind: median(seconds) for kind, seconds in blocks.items()}
+    engines = {"float32": engine("float32")}
+    blocks = {"float32": [timed_steps(engines["float32"].step, block) / 1e3]}
+    peak = resident_bytes("VmHWM")
+    engines["fp16"] = engine("fp16")
+    blocks["fp16"] = [timed_steps(engines["fp16"].step, block) / 1e3]
+    for _ in range(ENGINE_BLOCKS - 1):
+        for kind, each in engines.items():
+            blocks[kind].append(timed_steps(each.step, block) / 1e3)
+    return {kind: median(seconds) for kind, seconds in blocks.items()}, peak
 
 
 def _allreduce(comm, grad_bytes: int) -> list[tuple[int, float]]:
@@ -242,18 +237,16 @@ def main(argv: list[str]) -> None:
     params = sum(e["params"] for e in elements)
     report: dict = {"hosts": gather_hosts(world.comm)}
     report["baseline_bytes"] = RESIDENT_AFTER_IMPORT
-    if args.compute:  # a data-parallel step first, so the high-water mark is its alone
-        report["step_seconds"], peak = _whole_step(
-            spec, args.optimizer, args.batch_size, args.seed, world.hvd, tf
-        )
-        report["step_peak"] = [peak - RESIDENT_AFTER_IMPORT, _sample_counts(args.batch_size)[1]]
+    if args.compute:  # ringtrain's data-parallel engine first: the high-water mark is its own
+        report["engine_step_seconds"], peak = _engine_steps(spec, data, args, world)
+        report["step_peak"] = [peak - RESIDENT_AFTER_IMPORT, args.batch_size / world.size]
+        report["step_seconds"] = _whole_step(spec, args.optimizer, args.batch_size, args.seed, tf)
     world.comm.Barrier()
     allreduce = MeasuredCurve.of(_allreduce(world.comm, params * 4))
     p2p = measure_link(Link(world.comm, timeout=60.0), world.rank, P2P_SIZES, tag=7)
     report["allreduce"], report["p2p"] = allreduce.to_json(), p2p.to_json()
     report["elements"] = elements
-    if args.compute:  # after the step's high-water mark was read
-        report["engine_step_seconds"] = _engine_steps(spec, data, args, world)
+    if args.compute:
         for element, seconds in zip(
             elements, _element_seconds(spec, args.batch_size, args.seed), strict=True
         ):
