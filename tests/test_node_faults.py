@@ -358,6 +358,11 @@ def uncap(node: str) -> None:
 
 SLOW_FLAGS = ["--model", "mlp", "--steps", "3", "--seed", "3", "--batch-size", "256"]
 SLOW_PAIRS = {"data": ("node5", "node6"), "pipeline": ("node7", "node8")}
+# A sixth of the cap's 64 kB/s. Both directions carry bulk bytes at once, so each one's ACKs
+# wait in the other's 1 s tbf queue; TCP's retransmission timeout grows to about 2 s there
+# (seen with `ss -ti`), and a lost retransmission doubles it. At 0.02 MB/s, two CI runs
+# under the requeue test's load stopped a data run after 15.5 s without progress.
+MIN_LINK_RATE = "0.01"
 
 
 @pytest.fixture(scope="module")
@@ -371,7 +376,7 @@ def slow_link_runs(slurm_env, launcher_env, tmp_path_factory) -> Iterator[tuple[
             cmd = [
                 *("mpirun", "-np", "2", "-H", f"{first}:1,{second}:1", *mpirun_flags(CIDR)),
                 *(CLI, "train", "--strategy", strategy, *STRATEGY_ARGS[strategy], *SLOW_FLAGS),
-                *("--comm-timeout", "2", "--min-link-rate", "0.02"),
+                *("--comm-timeout", "2", "--min-link-rate", MIN_LINK_RATE),
                 *("--weights-out", str(folder / f"{strategy}.npz")),
             ]
             log = (folder / f"{strategy}.log").open("w")
@@ -520,8 +525,8 @@ def test_requeued_jobs_resume_on_the_nodes_left_and_a_pipeline_is_refused(
 def test_a_slow_link_is_no_false_alarm(slow_link_runs):
     """node6's and node8's links at 512 kbit/s (64 kB/s): a data-parallel step's gradient
     allreduce across node5+node6 (about 135 kB each way for the mlp) and a pipeline step's 8
-    messages across node7+node8 (32 kB each at batch 256, M = 4) take 4 s or more, beyond
-    --comm-timeout 2. With --min-link-rate below the link's rate both complete, with the
+    messages across node7+node8 (32 kB each at batch 256, M = 4) take 2.5 s or more,
+    beyond --comm-timeout 2. With --min-link-rate below the link's rate both complete, with the
     weights of single-process training. (Each run has a capped link of its own: another
     job's bulk transfer ahead in the same queue is not this rank's bytes.)"""
     folder, jobs = slow_link_runs
