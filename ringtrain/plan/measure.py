@@ -7,9 +7,9 @@ element's F, B, BI and BW the way the pipeline executor runs them. Both at two s
 considers lie between), fitted as fixed + per-sample seconds. Horovod's allreduce is timed at
 several sizes, the model's gradient bytes among them, and read between them along lines;
 point-to-point messages as the pipeline's own calibration times them (pipeline.calibrate). The
-resident set after TensorFlow's import is the baseline a rank pays before any model, and the
-high-water mark after the data-parallel step (and one allreduce of its gradients) what that
-step adds at half the batch. Rank 0 writes the JSON to --out.
+resident set after TensorFlow's import (MPI started first, as in training) is the baseline a
+rank pays before any model, and the high-water mark after ringtrain's data-parallel engine's
+first block of steps what that step adds at half the batch. Rank 0 writes the JSON to --out.
 """
 
 from __future__ import annotations
@@ -221,16 +221,20 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
 
+    from ringtrain.runtime import start
+
+    # Before anything imports TensorFlow: as in `ringtrain train`, MPI starts first, so the
+    # baseline after TensorFlow's import holds MPI's own 15 MiB here too (not the step's peak).
+    world = start(with_horovod=True)
+
     from ringtrain.comm import Link
     from ringtrain.data import load_dataset
     from ringtrain.heartbeat import gather_hosts
     from ringtrain.models import BUILTIN
     from ringtrain.pipeline.calibrate import measure_link
     from ringtrain.pipeline.costs import MeasuredCurve
-    from ringtrain.runtime import start
     from ringtrain.tensorflow_loader import RESIDENT_AFTER_IMPORT, tf
 
-    world = start(with_horovod=True)
     data = load_dataset(args.dataset, args.seed)
     spec = BUILTIN[args.model](data.input_shape, data.n_classes)
     elements = _elements(spec, args.seed)
