@@ -71,7 +71,26 @@ def pipeline_table(report: dict) -> str:
     )
     name = Path(report.get("png", "benchmarks/results/pipeline.png")).name
     picture = f"![pipeline benchmark](benchmarks/results/{name})"
-    return "\n".join([intro, "", *lines, "", f"Targets: {met}.", "", picture])
+    limit = _one_f_one_b_limit(report)
+    return "\n".join([intro, "", *lines, "", *limit, f"Targets: {met}.", "", picture])
+
+
+def _one_f_one_b_limit(report: dict) -> list[str]:
+    """The sentence on 1F1B's limit at this microbatch size, where the run measured it."""
+    limit = report.get("one_f_one_b_limit")
+    if not limit:
+        return []
+    reached = limit["one_f_one_b_of_limit"]
+    return [
+        f"1F1B M=8's limit at this microbatch size is {limit['limit_vs_single_1_thread']:.2f}x "
+        f"one thread: twice the one-thread process computing the batch in the same 8 slices "
+        f"({limit['sliced_vs_single_1_thread']:.2f} of its whole-batch speed), less the "
+        f"unit-cost bubble of {limit['unit_bubble']:.3f}. That is "
+        f"{limit['limit_vs_single_2_threads']:.2f}x the two-thread process"
+        + ("" if reached is None else f"; 1F1B M=8 reached {reached:.2f} of the limit")
+        + ".",
+        "",
+    ]
 
 
 def simulated_stages_table() -> str:

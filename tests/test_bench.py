@@ -66,11 +66,13 @@ def rounds_per_contender(rows: list[dict]) -> dict[str, list[int]]:
 
 @pytest.mark.mpi
 def test_bench_pipeline_quick(tmp_path):
-    """Every schedule kind and both single processes take every round; each pipeline is
-    reported with its prediction from the run's calibration and its activation memory."""
+    """Every schedule kind and the single processes (one thread, whole and in 1F1B's slices;
+    two threads) take every round; each pipeline is reported with its prediction from the
+    run's calibration and its activation memory, and 1F1B with its limit at that slicing."""
     report = quick_bench("pipeline", tmp_path)
     rows = report["raw"]
-    expected = {"single 1 thread", "single 2 threads"} | {
+    singles = {"single 1 thread", "single 1 thread in 8 slices", "single 2 threads"}
+    expected = singles | {
         "gpipe M=2",
         "1f1b M=8",
         "interleaved M=8",
@@ -83,7 +85,13 @@ def test_bench_pipeline_quick(tmp_path):
         assert e["samples_per_sec_min"] <= e["samples_per_sec_median"] <= e["samples_per_sec_max"]
         assert len(e["speedup_vs_single_per_round"]) == 3
     pipes = {e["contender"]: e for e in report["summary"] if "bubble_gap" in e}
-    assert set(pipes) == expected - {"single 1 thread", "single 2 threads"}
+    assert set(pipes) == expected - singles
+    limit = report["one_f_one_b_limit"]
+    assert limit["unit_bubble"] == pytest.approx(1 / 9)
+    assert limit["limit_vs_single_1_thread"] == pytest.approx(
+        2 * 8 / 9 * limit["sliced_vs_single_1_thread"]
+    )
+    assert limit["one_f_one_b_of_limit"] > 0
     for e in pipes.values():
         assert 0 <= e["bubble_predicted_median"] < 1 and e["step_time_predicted_median"] > 0
         stages = 4 if e["schedule"] == "interleaved" else 2

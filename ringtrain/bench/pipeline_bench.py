@@ -3,8 +3,9 @@
 The workload is a wider transformer, about 10 ms or more of forward per microbatch on one
 core, cut into 2 stages (4 for interleaving) by measured time. Three long-lived contender
 processes start once: the 2 pipeline ranks (mpirun, one core each), a single process with one
-thread on one core, and a single process with two threads on both cores. Then the contenders
-take turns, round after round, each timing `steps` steps while the others sleep.
+thread on one core (timed on whole batches, and on 1F1B's slices of them), and a single
+process with two threads on both cores. Then the contenders take turns, round after round,
+each timing `steps` steps while the others sleep.
 
 Each pipeline contender reports, beside samples/s, its bubble measured from its own trace and
 the bubble and step time the simulator predicts for the timing's later steps from its first
@@ -35,6 +36,8 @@ from ringtrain.bench.common import (
     round_ratios,
     summarise_contenders,
 )
+from ringtrain.pipeline.schedule import build_schedule
+from ringtrain.pipeline.simulate import simulate
 
 BATCH, LR, SEED = 128, 0.01, 0  # global batch 128: microbatches of 16 at M = 8
 SAMPLES, SHAPE, CLASSES = 1024, (32, 32, 3), 10
@@ -50,6 +53,11 @@ PIPELINES = {
     "zb-h1 M=8": ("zb-h1", 8, 1),
 }
 ONE_F_ONE_B = "1f1b M=8"  # what the other schedules are matched against, round by round
+# The 1-thread process again, accumulating over 1F1B's microbatches: the same matrix shapes a
+# stage computes, so it prices the small microbatches apart from the pipeline's own costs.
+SLICES = PIPELINES[ONE_F_ONE_B][1]
+SINGLE_SLICED = f"single 1 thread in {SLICES} slices"
+ACCUMULATE = {SINGLE: 1, SINGLE_SLICED: SLICES, SINGLE_BOTH: 1}  # single contender -> slices
 QUICK_PIPELINES = ["gpipe M=2", "1f1b M=8", "interleaved M=8", "zb-h1 M=8"]
 STEPS, QUICK_STEPS = 30, 3
 
@@ -86,7 +94,9 @@ def _processes(logs: Path, names: list[str], hosts: str | None, batch: int) -> d
         "pipeline": Process("pipeline ranks", ranks, mpi_env(1), logs),
         SINGLE: Process(
             SINGLE,
-            mpirun_command(1, worker, str(batch), "single", SINGLE, binding="core"),
+            mpirun_command(
+                1, worker, str(batch), "single", f"{SINGLE},{SINGLE_SLICED}", binding="core"
+            ),
             mpi_env(1),
             logs,
         ),
@@ -110,11 +120,12 @@ def measure(args: argparse.Namespace) -> dict:
         processes = _processes(Path(tmp), names, getattr(args, "hosts", None), batch)
         try:
             ready = {role: p.receive(limit) for role, p in processes.items()}
-            order = [SINGLE, SINGLE_BOTH, *names]
+            order = [SINGLE, SINGLE_SLICED, SINGLE_BOTH, *names]
             for round_index in range(args.rounds):
                 shift = round_index % len(order)
                 for contender in order[shift:] + order[:shift]:
-                    process = processes.get(contender, processes["pipeline"])
+                    role = SINGLE if contender == SINGLE_SLICED else contender
+                    process = processes.get(role, processes["pipeline"])
                     process.send({"cmd": "run", "contender": contender, "steps": steps})
                     reply = process.receive(limit)
                     reply["samples_per_sec"] = batch * steps / reply["seconds"]
@@ -171,7 +182,35 @@ def summarise(rows: list[dict]) -> dict:
         if entry["contender"] != ONE_F_ONE_B and any(r["contender"] == ONE_F_ONE_B for r in rows):
             ratios = round_ratios(rows, "samples_per_sec", entry["contender"], ONE_F_ONE_B)
             entry["vs_1f1b_median"] = median(ratios)
-    return {"raw": rows, "summary": summary, "targets": _targets(summary)}
+    return {
+        "raw": rows,
+        "summary": summary,
+        "targets": _targets(summary),
+        "one_f_one_b_limit": _one_f_one_b_limit(rows, summary),
+    }
+
+
+def _one_f_one_b_limit(rows: list[dict], summary: list[dict]) -> dict | None:
+    """How fast 2-stage 1F1B could be if it paid nothing but its unit-cost bubble: twice the
+    1-thread process computing the same microbatches. Its distance from the whole-batch
+    process is what small microbatches cost; the rest of 1F1B's gap is the pipeline's own
+    (imbalance, messages, the executor, two cores sharing memory)."""
+    if not any(r["contender"] == SINGLE_SLICED for r in rows):
+        return None
+    kind, micro, virtual = PIPELINES[ONE_F_ONE_B]
+    bubble = simulate(build_schedule(kind, 2, micro, virtual)).bubble
+    sliced = median(round_ratios(rows, "samples_per_sec", SINGLE_SLICED, SINGLE))
+    both = median(round_ratios(rows, "samples_per_sec", SINGLE_BOTH, SINGLE))
+    limit = 2 * (1 - bubble) * sliced
+    by_name = {e["contender"]: e for e in summary}
+    one = by_name.get(ONE_F_ONE_B)
+    return {
+        "unit_bubble": bubble,
+        "sliced_vs_single_1_thread": sliced,
+        "limit_vs_single_1_thread": limit,
+        "limit_vs_single_2_threads": limit / both,
+        "one_f_one_b_of_limit": one["speedup_vs_single_median"] / limit if one else None,
+    }
 
 
 def _targets(summary: list[dict]) -> dict[str, bool]:
@@ -211,6 +250,12 @@ def describe(report: dict) -> list[str]:
                 f"{e['step_time_predicted_median'] * 1e3:.1f} ms predicted"
             )
         lines.append(line)
+    limit = report.get("one_f_one_b_limit")
+    if limit:
+        lines.append(
+            f"1F1B M=8 limit at these microbatches: {limit['limit_vs_single_1_thread']:.2f}x "
+            f"1 thread ({limit['limit_vs_single_2_threads']:.2f}x 2 threads)"
+        )
     lines += [f"target {k}: {'met' if v else 'NOT met'}" for k, v in report["targets"].items()]
     return lines
 

@@ -1,6 +1,6 @@
 """The pipeline benchmark's processes: `BATCH ranks NAMES` (the 2 pipeline ranks, every
-pipeline contender in NAMES) or `BATCH single NAME` (one process, its threads from
-RINGTRAIN_THREADS), at global batch BATCH.
+pipeline contender in NAMES) or `BATCH single NAMES` (one process, its threads from
+RINGTRAIN_THREADS, every single contender in NAMES), at global batch BATCH.
 
 Each builds its engines, traces them and times the link once, says it is ready, then serves
 the parent's commands: time a contender for some steps and report (a pipeline also predicts
@@ -25,6 +25,7 @@ from ringtrain.bench.common import (
     settings_in_force,
 )
 from ringtrain.bench.pipeline_bench import (
+    ACCUMULATE,
     BLOCKS,
     CLASSES,
     DIM,
@@ -128,19 +129,25 @@ def ranks(batch: int, names: list[str]) -> None:
     serve(world.comm, names, lambda name, steps: contenders[name].run(steps))
 
 
-def single(batch: int, name: str) -> None:
+def single(batch: int, names: list[str]) -> None:
+    """One process serving each single contender in `names`, its batch whole or in slices."""
     from ringtrain.dataparallel.engine import DataParallelEngine
 
     world = runtime.start(with_horovod=False)
     data, spec = workload()
-    engine = DataParallelEngine(spec, data, replace(base_config(batch), strategy="single"), world)
-    engine.step(batch_stream(len(data.x), 1, batch, SEED)[0])  # trace outside the timing
+    base = replace(base_config(batch), strategy="single")
+    engines = {
+        name: DataParallelEngine(spec, data, replace(base, accumulate=ACCUMULATE[name]), world)
+        for name in names
+    }
+    for engine in engines.values():
+        engine.step(batch_stream(len(data.x), 1, batch, SEED)[0])  # trace outside the timing
 
-    def run(_name: str, steps: int) -> dict:
+    def run(name: str, steps: int) -> dict:
         stream = batch_stream(len(data.x), steps, batch, SEED + 1)
         start = time.perf_counter()
         for indices in stream:
-            engine.step(indices)
+            engines[name].step(indices)
         return {"seconds": time.perf_counter() - start}
 
     reply(
@@ -151,12 +158,9 @@ def single(batch: int, name: str) -> None:
             "environment": settings_in_force(),
         }
     )
-    serve(world.comm, [name], run)
+    serve(world.comm, names, run)
 
 
 if __name__ == "__main__":
     batch, role, what = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    if role == "ranks":
-        ranks(batch, what.split(","))
-    else:
-        single(batch, what)
+    (ranks if role == "ranks" else single)(batch, what.split(","))
