@@ -21,6 +21,7 @@ if ! { command -v mpicc >/dev/null && command -v mpirun >/dev/null; }; then
 fi
 command -v cmake >/dev/null || apt_wanted+=(cmake)
 command -v g++ >/dev/null || apt_wanted+=(g++)
+command -v patch >/dev/null || apt_wanted+=(patch)
 for tool in slurmctld:slurmctld slurmd:slurmd sbatch:slurm-client munged:munge; do
   command -v "${tool%%:*}" >/dev/null || apt_wanted+=("${tool#*:}")
 done
@@ -57,10 +58,14 @@ fi
 # xla_mpi_ops.cc) includes tensorflow/compiler/xla/client/xla_builder.h, which TF >= 2.19
 # no longer ships, so a plain pip install fails at the very end. That op serves only
 # XLA-compiled GPU graphs; the CPU/MPI path never uses it, so we drop it from the build.
-# The wheel is cached by Horovod, TF and Python version: a TF change forces a rebuild.
+# horovod-allreduce-in-place.patch lets the allreduce op reduce a tensor nothing else holds
+# in its own buffer (MPI_IN_PLACE), as a compiled step's gradients are (README).
+# The wheel is cached by Horovod, TF and Python version and the patch: a change rebuilds it.
 tf_version=$("$PY" -c 'import importlib.metadata as m; print(m.version("tensorflow-cpu"))')
 py_tag=$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
-build_key="horovod-$HOROVOD_VERSION-tf$tf_version-$py_tag"
+patch_file=$ROOT/scripts/horovod-allreduce-in-place.patch
+patch_tag=$(sha256sum "$patch_file" | cut -c1-8)
+build_key="horovod-$HOROVOD_VERSION-tf$tf_version-$py_tag-$patch_tag"
 wheel_dir=$CACHE/wheels/$build_key
 hvd_stamp=$VENV/.horovod-build
 if [[ ! -f $hvd_stamp || $(cat "$hvd_stamp") != "$build_key" ]]; then
@@ -72,6 +77,7 @@ if [[ ! -f $hvd_stamp || $(cat "$hvd_stamp") != "$build_key" ]]; then
     tar -xzf "$work"/horovod-"$HOROVOD_VERSION".tar.gz -C "$work"
     src=$work/horovod-$HOROVOD_VERSION
     sed -i '/xla_mpi_ops\.cc/d' "$src/horovod/tensorflow/CMakeLists.txt"
+    patch -s -p1 -d "$src" <"$patch_file"
     mkdir -p "$wheel_dir.tmp"
     (cd "$src" && HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \
       HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS=-j"$(nproc)" \

@@ -146,10 +146,12 @@ def test_cli_pipeline_matches_the_independent_reference(
     assert 0.0 <= report["bubble_measured"] < 1.0
     expected_bubble = 1 / (int(micro) + 1)  # (P-1)/(M+P-1) with P=2
     assert report["bubble_predicted_unit_costs"] == pytest.approx(expected_bubble)
-    # The prediction from the run's own calibration: its first steps and a ping-pong.
+    # The prediction from the run's own calibration: 3 steps spread through it, after the one
+    # that traced the graphs, and a ping-pong.
     assert 0.0 <= report["bubble_predicted"] < 1.0 and report["step_time_predicted"] > 0
     assert report["calibration"]["link"]["bytes_per_second"] > 0
-    assert report["calibration"]["steps"] == [1, 2, 3]
+    steps = report["calibration"]["steps"]
+    assert len(steps) == 3 and steps[0] == 1 and steps == sorted(set(steps))
     events = json.loads(trace.read_text())["traceEvents"]
     assert {e["tid"] for e in events} == {0, 1}
     assert gantt.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -11,7 +11,7 @@ import pytest
 
 from ringtrain import cli
 from ringtrain.errors import UserError
-from ringtrain.pipeline.calibrate import stage_seconds, step_actions
+from ringtrain.pipeline.calibrate import calibration_steps, stage_seconds, step_actions
 from ringtrain.pipeline.costs import LinkModel, predict, predict_from_steps
 from ringtrain.pipeline.generators import SCHEDULES
 from ringtrain.pipeline.interpreter import interpret
@@ -528,3 +528,13 @@ def test_a_message_s_host_work_delays_its_arrival_and_its_receiver():
     seconds |= {(0, "SEND_ACT"): 0.25, (1, "SEND_GRAD"): 0.25}
     seconds |= {(1, "RECV_ACT"): 0.5, (0, "RECV_GRAD"): 0.5}
     assert predict(one, seconds).makespan == pytest.approx(4 + 2 * 0.75)
+
+
+def test_calibration_steps_are_spread_through_the_timed_steps():
+    """A slow start must not weigh on the calibration alone: 3 steps spread through the run, or
+    all but one of a short run, so that something is left to predict."""
+    assert calibration_steps(0, 30) == [0, 10, 20]
+    assert calibration_steps(1, 99) == [1, 34, 67]
+    assert calibration_steps(5, 4) == [5, 6, 7]
+    assert calibration_steps(0, 2) == [0]
+    assert calibration_steps(0, 1) == [0]

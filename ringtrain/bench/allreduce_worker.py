@@ -1,7 +1,8 @@
 """Runs inside every rank of `mpirun -np N`: allreduce timings for each contender and size.
 
-Rounds alternate the contenders (Horovod, mpi4py's Allreduce out of place and in place, the
-hand-written ring, then memcpy on rank 0 alone); within its turn a contender runs every size.
+Rounds alternate the contenders (Horovod called from Python and inside a compiled step,
+mpi4py's Allreduce out of place and in place, the hand-written ring, then memcpy on rank 0
+alone); within its turn a contender runs every size.
 Each rank times its own calls and the slowest rank's time counts, since a collective is done
 when its last rank is. Horovod runs only during its own turn (its idle thread would tax the
 others). After its timed calls each collective is checked: one more call on a fresh buffer
@@ -86,11 +87,37 @@ def _memcpy_seconds(comm, nbytes: int, iters: int) -> float | None:
 
 
 def horovod_sum(comm, array: np.ndarray) -> Collective:
+    """Called from Python on a tensor Python holds: Horovod reduces it out of place."""
     import horovod.tensorflow as hvd
     import tensorflow as tf
 
     tensor = tf.constant(array)
     return lambda: hvd.allreduce(tensor, op=hvd.Sum)
+
+
+def horovod_in_step(comm, array: np.ndarray) -> Collective:
+    """As ringtrain's compiled step calls it: on the flat buffer the step concatenates from its
+    gradients, which nothing else holds, so ringtrain's Horovod build reduces it in its own
+    buffer (MPI_IN_PLACE). The call is timed with its concatenation; `.producer`, the
+    concatenation alone, is timed right after it and subtracted."""
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    halves = [tf.constant(part) for part in np.array_split(array, 2)]
+
+    @tf.function
+    def step(*parts):
+        return hvd.allreduce(tf.concat(parts, 0), op=hvd.Sum)
+
+    @tf.function
+    def concat(*parts):
+        return tf.concat(parts, 0)
+
+    def op():
+        return step(*halves)
+
+    op.producer = lambda: concat(*halves)
+    return op
 
 
 def mpi_out_of_place(comm, array: np.ndarray) -> Collective:
@@ -125,6 +152,7 @@ def _ring(comm, array: np.ndarray) -> Collective:
 
 COLLECTIVES = {
     "horovod": horovod_sum,
+    "horovod in a step": horovod_in_step,
     "mpi4py Allreduce": mpi_out_of_place,
     "mpi4py Allreduce IN_PLACE": mpi_in_place,
     "ring": _ring,
@@ -147,14 +175,17 @@ def _one_round(comm, inputs: dict, budget: int, max_iters: int, checks: list) ->
     """Every collective at every size, each checked after its timed calls."""
     rows = []
     for name, make in COLLECTIVES.items():
-        with horovod_running(comm) if name == "horovod" else nullcontext():
+        with horovod_running(comm) if name.startswith("horovod") else nullcontext():
             for nbytes, (array, expected) in inputs.items():
+                op = make(comm, array)
                 iters = iterations(nbytes, budget, max_iters)
-                seconds = slowest_rank_seconds(comm, make(comm, array), iters)
+                row = {"contender": name, "bytes": nbytes, "iters": iters}
+                row["seconds"] = slowest_rank_seconds(comm, op, iters)
+                if hasattr(op, "producer"):  # what made the input is not the allreduce's time
+                    row["producer_seconds"] = slowest_rank_seconds(comm, op.producer, iters)
+                    row["seconds"] -= row["producer_seconds"]
                 checks.append(self_check(name, make, comm, array, expected))
-                rows.append(
-                    {"contender": name, "bytes": nbytes, "iters": iters, "seconds": seconds}
-                )
+                rows.append(row)
     return rows
 
 

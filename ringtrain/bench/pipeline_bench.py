@@ -8,11 +8,11 @@ process with two threads on both cores. Then the contenders take turns, round af
 each timing `steps` steps while the others sleep.
 
 Each pipeline contender reports, beside samples/s, its bubble measured from its own trace and
-the bubble and step time the simulator predicts for the timing's later steps from its first
-ones (the median of their replays, each with its own actions' times, and a link model timed
-before training), and its activation memory: the peak microbatches in flight per stage times
-what the executor holds for each (the stage's input plus, with saved tapes, every element's
-output: an estimate, since a tape may keep a layer's intermediates too).
+the bubble and step time the simulator predicts for the timing's other steps from 3 of them
+spread through it (the median of their replays, each with its own actions' times, and a link
+model timed before training), and its activation memory: the peak microbatches in flight per
+stage times what the executor holds for each (the stage's input plus, with saved tapes, every
+element's output: an estimate, since a tape may keep a layer's intermediates too).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ RINGTRAIN_THREADS, every single contender in NAMES), at global batch BATCH.
 
 Each builds its engines, traces them and times the link once, says it is ready, then serves
 the parent's commands: time a contender for some steps and report (a pipeline also predicts
-the later of those steps from the earlier).
+the rest of those steps from a few of them).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from ringtrain.bench.pipeline_bench import (
 )
 from ringtrain.data import Dataset, load_synthetic
 from ringtrain.models import ModelSpec, transformer
-from ringtrain.pipeline.calibrate import CALIBRATION_STEPS
+from ringtrain.pipeline.calibrate import calibration_steps
 from ringtrain.pipeline.trace import STEP, measured_bubble, measured_step_seconds
 
 WARM_UP_STEPS = 2  # before the rounds: the first traces the graphs
@@ -66,7 +66,7 @@ def held_bytes(spec: ModelSpec, bounds: list[tuple[int, int]], mb_size: int, rec
 
 
 class Contender:
-    """One pipeline schedule's engine; each timing predicts its later steps from its first."""
+    """One pipeline schedule's engine; each timing predicts its steps from a few of them."""
 
     def __init__(self, name: str, data: Dataset, spec: ModelSpec, world: runtime.World, batch: int):
         from ringtrain.pipeline.engine import PipelineEngine
@@ -93,9 +93,9 @@ class Contender:
         }
 
     def run(self, steps: int) -> dict | None:
-        """Time `steps` steps; the first of them (CALIBRATION_STEPS, or all but one) calibrate
-        the simulator, which then predicts the rest: a prediction made minutes earlier would
-        measure this VM's drift between rounds, not the model."""
+        """Time `steps` steps; a few of them, spread through the timing (calibration_steps),
+        calibrate the simulator, which then predicts the rest: a prediction made minutes
+        earlier would measure this VM's drift between rounds, not the model."""
         since = self.engine.step_index
         stream = batch_stream(len(self.engine.data.x), steps, self.cfg.batch_size, SEED + since)
         start = time.perf_counter()
@@ -105,9 +105,9 @@ class Contender:
         rows = self.engine.trace.gather(self.world.comm, since=since)
         if rows is None:
             return None
-        split = since + max(1, min(CALIBRATION_STEPS, steps - 1))
-        predicted, calibration = self.engine.prediction(rows, list(range(since, split)))
-        later = rows[rows[:, STEP] >= split] if steps > 1 else rows
+        chosen = calibration_steps(since, steps)
+        predicted, calibration = self.engine.prediction(rows, chosen)
+        later = rows[~np.isin(rows[:, STEP], chosen)] if steps > 1 else rows
         return {
             "seconds": seconds,
             "bubble_measured": measured_bubble(later, 2, skip_first=False),

@@ -38,7 +38,7 @@ from ringtrain.models import ModelSpec, forward, loss_fn, trainable_variables
 from ringtrain.optim import LearningRate, make_optimizer
 from ringtrain.pipeline import partition
 from ringtrain.pipeline.calibrate import (
-    CALIBRATION_STEPS,
+    calibration_steps,
     measure_link,
     stage_seconds,
     step_actions,
@@ -591,7 +591,7 @@ class PipelineEngine(Checkpointable):
         if rows is None:
             return {}
         title = f"{self.schedule.kind} P={self.ranks} M={self.cfg.microbatches}"
-        steps = list(range(1, min(self.step_index, 1 + CALIBRATION_STEPS))) or [0]
+        steps = calibration_steps(1, self.step_index - 1) if self.step_index > 1 else [0]
         predicted, calibration = self.prediction(rows, steps)
         if self.cfg.trace:
             write_chrome_trace(rows, self.ranks, self.cfg.trace)
