@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from ringtrain.bench.allreduce import size_label
+from ringtrain.bench.allreduce import HOROVOD_CALLS, MPI_CALLS, size_label
 
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
@@ -170,11 +170,7 @@ def strategies_table(report: dict) -> str:
     )
 
 
-HOROVOD = ("horovod", "horovod in a step")
-
-
 def allreduce_table(report: dict) -> str:
-    mpi = ("mpi4py Allreduce", "mpi4py Allreduce IN_PLACE")
     lines = [
         "| ranks | size | Horovod busbw | Horovod in a step busbw | MPI out-of-place busbw | "
         "MPI in-place busbw | ring busbw | Horovod / best MPI | Horovod in a step / best MPI | "
@@ -194,9 +190,11 @@ def allreduce_table(report: dict) -> str:
         over = " (oversubscribed)" if at["horovod"]["oversubscribed"] else ""
         lines.append(
             f"| {ranks}{over} | {size_label(nbytes)} | "
-            + " | ".join(_range(at[c], "busbw_GBps", ".3g") for c in (*HOROVOD, *mpi, "ring"))
+            + " | ".join(
+                _range(at[c], "busbw_GBps", ".3g") for c in (*HOROVOD_CALLS, *MPI_CALLS, "ring")
+            )
             + " | "
-            + " | ".join(f"{at[c]['vs_allreduce_median']:.2f}" for c in (*HOROVOD, "ring"))
+            + " | ".join(f"{at[c]['vs_allreduce_median']:.2f}" for c in (*HOROVOD_CALLS, "ring"))
             + " |"
         )
     verdicts = [

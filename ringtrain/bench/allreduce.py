@@ -40,6 +40,7 @@ SIZES = [4 * KiB * 4**k for k in range(8)]  # 4 KiB .. 64 MiB
 QUICK_SIZES = [4 * KiB, 256 * KiB, 4 * MiB]
 RANKS = [2, 4]
 MPI_CALLS = ("mpi4py Allreduce", "mpi4py Allreduce IN_PLACE")  # the faster is the reference
+HOROVOD_CALLS = ("horovod", "horovod in a step")  # from Python, and inside a compiled step
 # x the faster MPI call's busbw, from TARGET_BYTES up
 TARGETS = {"horovod": 0.9, "horovod in a step": 0.9, "ring": 0.7}
 TARGET_BYTES = 4 * MiB
