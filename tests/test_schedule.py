@@ -105,14 +105,14 @@ def test_bubbles_at_4_stages_and_8_microbatches():
     assert bubbles["zb-h1"].bubble == pytest.approx(3 / 19)
 
 
-def test_simulator_takes_measured_costs_and_message_time_by_bytes():
+def test_simulator_takes_measured_costs_and_a_link_s_time_by_bytes():
     """GPipe with B = 2F takes 3(M+P-1); a message of stage 0's 50 bytes at 100 bytes per
     unit adds half a unit on the way down and again on the way up."""
     gpipe = built("gpipe", 3, 4)[0]
     slow_backward = simulate(gpipe, cost=lambda a: {"F": 1.0, "B": 2.0}.get(a.op, 0.0))
     assert slow_backward.makespan == 3 * (4 + 3 - 1)
     one = built("1f1b", 2, 1)[0]
-    timed = simulate(one, message_time=lambda n: n / 100, boundary_bytes=[50])
+    timed = simulate(one, link=LinkModel(0.0, 100.0), boundary_bytes=[50])
     assert timed.makespan == 4 + 0.5 + 0.5
     assert timed.timeline[1] == [("1F0", 1.5, 2.5), ("1B0", 2.5, 3.5)]
 
@@ -121,7 +121,7 @@ def test_a_link_carries_one_message_at_a_time_in_each_direction():
     """GPipe, P=2, M=3 with free computations and a unit per message: the three activations
     posted at once arrive at 1, 2 and 3, and the three gradients, posted at 3, at 4, 5 and 6."""
     gpipe = built("gpipe", 2, 3)[0]
-    timed = simulate(gpipe, cost=lambda a: 0.0, message_time=lambda n: 1.0)
+    timed = simulate(gpipe, cost=lambda a: 0.0, link=LinkModel(1.0, float("inf")))
     assert timed.makespan == 6.0
     assert [start for _, start, _ in timed.timeline[1][:3]] == [1.0, 2.0, 3.0]
 
@@ -431,6 +431,45 @@ def test_a_link_model_fitted_to_exact_timings_recovers_latency_and_rate():
     assert link.bytes_per_second == pytest.approx(1e9)
     with pytest.raises(ValueError, match="two message sizes"):
         LinkModel.fit([(1000, 1e-5), (1000, 2e-5)])
+
+
+def test_a_shaping_link_s_burst_is_what_a_lone_message_did_not_pay_for():
+    """A 1000-byte message at 100 bytes a second after 0.5 s of latency: alone in 3.5 s, it
+    paid for 300 bytes, so 700 went through on the burst; one that paid for all of it, none;
+    one faster than the latency, all of it."""
+    link = LinkModel(0.5, 100.0)
+    assert link.with_lone_message(1000, 3.5).burst_bytes == pytest.approx(700)
+    assert link.with_lone_message(1000, 12.0).burst_bytes == 0.0
+    assert link.with_lone_message(1000, 0.1).burst_bytes == 1000.0
+    assert link.with_lone_message(1000, 3.5).to_json()["burst_bytes"] == pytest.approx(700)
+
+
+def test_a_wire_s_bucket_refills_while_it_rests_and_empties_under_a_train():
+    """Bucket of 500 bytes, 100 bytes a second, no latency. A full bucket carries 400 bytes
+    free; the next 400 right after find 100 left and pay 3 s; after 2 s of rest, 200 bytes
+    are back, so 400 bytes pay 2 s; a burst of 0 pays the rate every time."""
+    wire = LinkModel(0.0, 100.0, burst_bytes=500).wire()
+    assert wire.carry(400, 0.0) == 0.0
+    assert wire.carry(400, 0.0) == pytest.approx(3.0)
+    assert wire.carry(400, 5.0) == pytest.approx(2.0)
+    plain = LinkModel(0.0, 100.0).wire()
+    assert [plain.carry(400, t) for t in (0.0, 100.0)] == [4.0, 4.0]
+
+
+def test_the_simulator_refills_each_wire_s_bucket_between_messages():
+    """GPipe, P=2, M=2, F = B = 1, 100-byte boundaries, 50 bytes a second, a 100-byte bucket.
+    Each direction's first message goes free; the second leaves a unit later, finds 50 bytes
+    refilled and pays a unit for the rest: activations arrive at 1 and 3, gradients at 5 and
+    7, so the step ends at 8 (6 on a free link, 12 at the rate without a bucket)."""
+    gpipe = built("gpipe", 2, 2)[0]
+    cost = {"F": 1.0, "B": 1.0}.get
+
+    def makespan(link: LinkModel) -> float:
+        return simulate(gpipe, lambda a: cost(a.op, 0.0), link, boundary_bytes=[100]).makespan
+
+    assert makespan(LinkModel(0.0, 50.0, burst_bytes=100)) == pytest.approx(8.0)
+    assert makespan(LinkModel(0.0, float("inf"))) == pytest.approx(6.0)
+    assert makespan(LinkModel(0.0, 50.0)) == pytest.approx(12.0)
 
 
 def test_a_prediction_adds_measured_compute_and_the_link_s_time_per_message():

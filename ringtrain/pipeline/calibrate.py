@@ -5,7 +5,8 @@ each message, REDUCE and STEP), and a message's time by its bytes. The actions' 
 from the executor's own trace, over CALIBRATION_STEPS steps spread through the run after the
 one that traced the graphs (calibration_steps). Messages are timed between the first two
 pipeline ranks, through the same Link the executor sends with: a tiny ping-pong for the
-latency and a window of boundary-sized messages for the rate, fitted to latency + bytes / rate
+latency, a window of boundary-sized messages for the rate, fitted to latency + bytes / rate,
+and one such message alone after a rest for the burst a shaping link lets through
 (costs.LinkModel).
 
 Each calibration step is replayed with its own actions' times (step_actions), not with a
@@ -106,7 +107,9 @@ def measure_link(link, position: int, sizes: Collection[int], tag: int) -> LinkM
     is timed as a bandwidth test streams it: a window of WINDOW messages from rank 0, back to
     back, that rank 1 acknowledges with the smallest. That is what a train of activations
     meets; a lone large message need not be: a link that shapes its traffic with a token
-    bucket lets one burst through at several times its rate (48 MB/s on a 25 MB/s cap here)."""
+    bucket lets one burst through at several times its rate (48 MB/s on a 25 MB/s cap here).
+    So the largest size is also timed alone, after the link has rested for two of its
+    messages at the rate, and what that message did not pay for is the link's burst."""
     if position > 1 or link.comm.Get_size() < 2:
         return FREE_LINK
     peer = 1 - position
@@ -128,19 +131,28 @@ def measure_link(link, position: int, sizes: Collection[int], tag: int) -> LinkM
             link.flush()
         return time.perf_counter() - start
 
-    def timed(buf: np.ndarray, count: int) -> float:
+    def timed(buf: np.ndarray, count: int, rest: float = 0.0) -> float:
+        def after_rest() -> float:
+            if position == 0:
+                time.sleep(rest)
+            return exchange(buf, count)
+
         # the first exchange sets the connection up
-        return median([exchange(buf, count) for _ in range(ROUNDS + 1)][1:])
+        return median([after_rest() for _ in range(ROUNDS + 1)][1:])
 
     latency = timed(ack, 1) / 2
     samples = [(ack.nbytes, latency)]
+    window = 0.0
     for nbytes in larger:
         window = timed(np.zeros(nbytes, np.uint8), WINDOW) - latency
         samples.append((WINDOW * nbytes, window))
-    fitted = np.array([value for sample in samples for value in sample], np.float64)
+    largest = max(larger, default=ack.nbytes)
+    lone = timed(np.zeros(largest, np.uint8), 1, rest=2 * window / WINDOW) - latency
+    figures = np.array([*(value for sample in samples for value in sample), lone], np.float64)
     if position == 0:
-        link.send_buffer(fitted, peer, tag, what)
+        link.send_buffer(figures, peer, tag, what)
         link.flush()
     else:
-        link.recv_buffer(fitted, peer, tag, what)
-    return LinkModel.fit([(int(n), float(t)) for n, t in fitted.reshape(-1, 2)])
+        link.recv_buffer(figures, peer, tag, what)
+    fitted = LinkModel.fit([(int(n), float(t)) for n, t in figures[:-1].reshape(-1, 2)])
+    return fitted.with_lone_message(largest, float(figures[-1]))

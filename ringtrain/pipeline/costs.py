@@ -3,14 +3,15 @@
 The simulator (simulate.py) replays a schedule with any cost function; this module turns
 measurements into one. Computations cost what a stage's F, B, BI or BW measured (seconds per
 microbatch); a message costs the link's latency plus its bytes at the link's rate, fitted to
-timings of a ping-pong and of windows of messages. Imports neither TensorFlow nor MPI, so a
+timings of a ping-pong and of windows of messages, less what the link's token bucket lets
+through at once (timed on a lone message after a rest). Imports neither TensorFlow nor MPI, so a
 prediction can be checked in milliseconds against synthetic figures with known answers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ringtrain.pipeline.ir import Action, Schedule
 from ringtrain.pipeline.simulate import SimResult, simulate
@@ -18,13 +19,21 @@ from ringtrain.pipeline.simulate import SimResult, simulate
 
 @dataclass(frozen=True)
 class LinkModel:
-    """One-way time of a message: `latency` seconds plus its bytes at `bytes_per_second`."""
+    """One-way time of a message: `latency` seconds plus its bytes at `bytes_per_second`,
+    less what the link's token bucket holds. A link that shapes its traffic (`tc tbf`, a cloud
+    NIC's burst allowance) lets up to `burst_bytes` through at once after it has rested, and
+    refills at its rate; on a link that does not shape, the burst is 0."""
 
     latency: float
     bytes_per_second: float
+    burst_bytes: float = 0.0
 
-    def time(self, nbytes: int) -> float:
+    def time(self, nbytes: float) -> float:
+        """On a busy link: its bucket empty, every byte at the rate."""
         return self.latency + nbytes / self.bytes_per_second
+
+    def wire(self) -> Wire:
+        return Wire(self)
 
     @classmethod
     def fit(cls, samples: Sequence[tuple[int, float]]) -> LinkModel:
@@ -44,8 +53,38 @@ class LinkModel:
         latency = max(mean_t - slope * mean_x, 0.0)
         return cls(latency, 1.0 / slope)
 
+    def with_lone_message(self, nbytes: int, seconds: float) -> LinkModel:
+        """The burst that explains a message of `nbytes` sent alone, after the link rested, in
+        `seconds`: what it did not pay for at the rate (0 up to all of it)."""
+        unpaid = nbytes - max(seconds - self.latency, 0.0) * self.bytes_per_second
+        return replace(self, burst_bytes=min(max(unpaid, 0.0), float(nbytes)))
+
     def to_json(self) -> dict[str, float]:
-        return {"latency_s": self.latency, "bytes_per_second": self.bytes_per_second}
+        return {
+            "latency_s": self.latency,
+            "bytes_per_second": self.bytes_per_second,
+            "burst_bytes": self.burst_bytes,
+        }
+
+
+class Wire:
+    """One direction of a link in a replay, with its token bucket: time between messages
+    refills it at the link's rate up to the burst, and a message spends it, the bytes beyond
+    what it holds going at the rate. Messages come in the order they leave."""
+
+    def __init__(self, link: LinkModel):
+        self.link, self.tokens, self.idle_since = link, link.burst_bytes, 0.0
+
+    def carry(self, nbytes: float, leaves: float) -> float:
+        """Seconds from `leaves` until the message has arrived."""
+        link = self.link
+        if link.burst_bytes:
+            rested = max(leaves - self.idle_since, 0.0) * link.bytes_per_second
+            self.tokens = min(link.burst_bytes, self.tokens + rested)
+        seconds = link.latency + max(nbytes - self.tokens, 0.0) / link.bytes_per_second
+        self.tokens = max(self.tokens - nbytes, 0.0)
+        self.idle_since = leaves + seconds
+        return seconds
 
 
 FREE_LINK = LinkModel(0.0, float("inf"))
@@ -123,4 +162,4 @@ def _replay(
     ]
     if missing:
         raise ValueError(f"no measured time for {missing[0]}")
-    return simulate(schedule, lambda a: measured(a) or 0.0, link.time, boundary_bytes)
+    return simulate(schedule, lambda a: measured(a) or 0.0, link, boundary_bytes)

@@ -1,14 +1,14 @@
 """One event loop over per-rank action lists, shared by lowering, validation and simulation.
 
-Time jumps from event to event. At each instant messages move first (a send or receive that
-can complete does), then every idle rank whose next action is not a message starts it and is
-busy for `cost(action)`. With `blocking` sends a SEND and its RECV complete together, as a
+Time jumps from event to event. At each instant messages move first (a send or receive that can
+complete does), then every idle rank whose next action is not a message starts it and is busy
+for `cost(action)`. With `blocking` sends a SEND and its RECV complete together, as a
 rendezvous (MPI Ssend); otherwise a SEND never waits (MPI Isend) and its tensor reaches the
-receiver `transfer(send)` later. There a message's own `cost` is the host's work around it
-(posting, copying out), before the bytes leave and after they arrive, and the link from one
-rank to another carries one message at a time: a send posted while an earlier one is still
-on that wire starts after it (each direction on its own, as links are full duplex). Without
-that, GPipe's eight activations posted back to back would all arrive as soon as one.
+receiver `transfer(send, leaves)` after it leaves. There a message's own `cost` is the host's
+work around it (posting, copying out), before the bytes leave and after they arrive, and the
+link from one rank to another carries one message at a time: a send posted while an earlier one
+is still on that wire starts after it (each direction on its own, as links are full duplex).
+Without that, GPipe's eight activations posted back to back would all arrive as soon as one.
 
 A *witness* run walks compute orders that have no messages yet: when a rank's next compute
 lacks a tensor that another rank has already made, and that rank is between actions, the pair
@@ -26,6 +26,7 @@ from ringtrain.pipeline.ir import Action, Tensor, carries, consumes, produces
 EPS = 1e-9  # times are sums of float costs: two ranks "at the same instant" may differ by ulps
 
 Cost = Callable[[Action], float]
+Transfer = Callable[[Action, float], float]  # (the send, when its bytes leave) -> seconds
 
 
 class Stuck(Exception):
@@ -56,7 +57,7 @@ def interpret(
     cost: Cost,
     *,
     blocking: bool,
-    transfer: Cost | None = None,
+    transfer: Transfer | None = None,
     witness: bool = False,
 ) -> Run:
     """Run every rank's list to the end; raise Stuck if the ranks wait on each other."""
@@ -70,7 +71,7 @@ class _Loop:
     def __init__(self, stage_ranks, lists, cost, blocking, transfer, witness):
         self.stage_ranks, self.lists, self.cost = stage_ranks, lists, cost
         self.blocking, self.witness = blocking, witness
-        self.transfer = transfer or (lambda a: 0.0)
+        self.transfer = transfer or (lambda a, leaves: 0.0)
         self.stages, ranks = len(stage_ranks), len(lists)
         self.plans = [[self._plan(a) for a in row] for row in lists]
         self.pc, self.clock = [0] * ranks, [0.0] * ranks
@@ -147,13 +148,13 @@ class _Loop:
         if not self.blocking:  # the sender's own work, then the bytes on the wire, in turn
             posted = self.t + self.cost(a)
             leaves = max(posted, self.wire_free.get((r, peer), 0.0))
-            self.arrives[tensor] = self.wire_free[(r, peer)] = leaves + self.transfer(a)
+            self.arrives[tensor] = self.wire_free[(r, peer)] = leaves + self.transfer(a, leaves)
             self._record(r, a, posted)
             self.pc[r] += 1
             return True
         if not (self._left(peer) and self._free(peer)) or self.lists[peer][self.pc[peer]] != recv:
             return False
-        end = self.t + self.transfer(a)
+        end = self.t + self.transfer(a, self.t)
         for rank, action in ((r, a), (peer, recv)):
             self._record(rank, action, end)
             self.pc[rank] += 1
@@ -165,7 +166,7 @@ class _Loop:
             return False
         if self.made.get(need, float("inf")) > self.t + EPS or not self._free(maker):
             return False
-        end = self.t + self.transfer(need.send())
+        end = self.t + self.transfer(need.send(), self.t)
         self._record(maker, need.send(), end)
         self._record(r, need.recv(), end)
         self.received.add(need)

@@ -4,10 +4,11 @@ Unit costs, the textbook model: each rank's share of the model costs F = B = 1, 
 holding V stages spends 1/V on each stage's F or B; a split backward costs BI = BW = B/2;
 messages, REDUCE and STEP are free. Under them GPipe's and 1F1B's bubble is (P-1)/(M+P-1).
 Measured figures replace them: `cost` gives seconds per action (a message's is the host's work
-around it), `message_time` seconds for a message of n bytes, `boundary_bytes[s]` the bytes of
-stage s's output (its gradient is as big). Sends are buffered like MPI Isend: the sender never
-waits, the receiver waits for arrival. The bubble is over the span of the computations, as the
-executor's trace measures it; the makespan holds every action.
+around it), `link` a wire per direction between two ranks that says how long a message of n
+bytes leaving at time t takes (a wire can keep state, such as a token bucket), and
+`boundary_bytes[s]` the bytes of stage s's output (its gradient is as big). Sends are buffered
+like MPI Isend: the sender never waits, the receiver waits for arrival. The bubble is over the
+span of the computations, as the executor's trace measures it; the makespan holds every action.
 
 Activation memory: a microbatch's activations on a stage count as held from its F until its B
 ends or, split, until its BW ends. The weight-gradient half still reads the stage's input and
@@ -17,11 +18,20 @@ the output gradient, so ringtrain's executor frees nothing at BI.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from ringtrain.pipeline.interpreter import Cost, Stuck, interpret
 from ringtrain.pipeline.ir import Action, Schedule, carries
+
+
+class Wire(Protocol):
+    def carry(self, nbytes: float, leaves: float) -> float: ...
+
+
+class Link(Protocol):
+    def wire(self) -> Wire: ...
 
 
 def unit_cost(stage_ranks: Sequence[int]) -> Cost:
@@ -47,18 +57,23 @@ class SimResult:
 def simulate(
     schedule: Schedule,
     cost: Cost | None = None,
-    message_time: Callable[[int], float] | None = None,
+    link: Link | None = None,
     boundary_bytes: Sequence[int] | None = None,
 ) -> SimResult:
     """Replay every rank's list in time with buffered sends; unit costs unless told otherwise."""
     cost = cost or unit_cost(schedule.stage_ranks)
+    ranks, wires = schedule.stage_ranks, {}
 
-    def transfer(send: Action) -> float:
-        if message_time is None:
+    def transfer(send: Action, leaves: float) -> float:
+        if link is None:
             return 0.0
         tensor = carries(send)
+        path = (ranks[tensor.stage], ranks[tensor.consumer])
+        if path not in wires:
+            wires[path] = link.wire()
+        wire = wires[path]
         boundary = min(tensor.stage, tensor.consumer)
-        return message_time(boundary_bytes[boundary] if boundary_bytes else 0)
+        return wire.carry(boundary_bytes[boundary] if boundary_bytes else 0, leaves)
 
     try:
         run = interpret(

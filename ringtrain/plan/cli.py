@@ -194,7 +194,9 @@ def _from_json(doc: dict) -> Calibration:
 
     def links(table: dict) -> dict[str, LinkModel]:
         return {
-            k: LinkModel(float(v["latency_s"]), float(v["bytes_per_second"]))
+            k: LinkModel(
+                float(v["latency_s"]), float(v["bytes_per_second"]), float(v["burst_bytes"])
+            )
             for k, v in table.items()
         }
 
@@ -252,6 +254,10 @@ def two_ranks(placement: list[str], module: str, *args: str) -> list[str]:
 
 
 REFERENCE_MICROBATCHES = (2, 8)
+# the run's own calibration reads 3 of its steps spread through it (the 1st, 11th and 21st of
+# 30): 8 steps put them within a fraction of a second, in one of this machine's slow or fast
+# spells, and every microbatch's action carried that spell into the prediction
+REFERENCE_STEPS = 30
 
 
 def _executor_reference(
@@ -266,7 +272,8 @@ def _executor_reference(
     for count in REFERENCE_MICROBATCHES:
         metrics = tmp / f"reference-{count}.json"
         flags = ["--strategy", "pipeline", "--schedule", "1f1b", "--microbatches", str(count)]
-        flags += ["--steps", "8", "--progress", "none", "--metrics-out", str(metrics)]
+        flags += ["--steps", str(REFERENCE_STEPS), "--progress", "none"]
+        flags += ["--metrics-out", str(metrics)]
         cmd = two_ranks(placement, "ringtrain.cli", "train", *common, *flags)
         try:
             run_bounded(cmd, mpi_env(), 300.0, tmp / "reference.log", quiet=True)

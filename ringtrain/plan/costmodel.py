@@ -39,7 +39,7 @@ from ringtrain.pipeline.partition import balanced
 from ringtrain.pipeline.schedule import build_schedule
 from ringtrain.pipeline.simulate import simulate
 
-FORMAT = "ringtrain-calibration/3"
+FORMAT = "ringtrain-calibration/4"
 FLOAT_BYTES = 4
 OPTIMIZER_SLOTS = {"sgd": 0, "adam": 2}  # float slots per weight (Adam: two moments)
 SCHEDULE_KINDS = ("gpipe", "1f1b", "zb-h1")

@@ -65,11 +65,15 @@ def _stage_ranges(spec, optimizer_name: str, batch: int, seed: int, tf) -> list[
     it (its own Stage): F, the compiled output under an eager tape (the loss read on the last
     stage); B, the tape's gradient for weights and input plus the accumulating adds; BW, the
     adds alone (with a saved tape BI makes every gradient and BW only adds them); STEP, the
-    compiled optimizer step over the range's weights. Fitted as fixed + per sample."""
+    compiled optimizer step over the range's weights. Fitted as fixed + per sample.
+
+    Each round times every range at both sizes once, so each figure's REPEATS timings are
+    spread over the whole pass: this machine's speed moves by tens of percent over a fraction
+    of a second, and timings taken back to back all fell in one such spell."""
     from ringtrain.pipeline.engine import Stage
 
     n, shapes = len(spec), spec.shapes()
-    found = []
+    cases = []
     for a in range(n):
         for b in range(a + 1, n + 1):
             index = 0 if a == 0 else 1
@@ -82,36 +86,43 @@ def _stage_ranges(spec, optimizer_name: str, batch: int, seed: int, tf) -> list[
                     zip(grads, s.variables, strict=True)
                 )
             )
-            at = {}
             for samples in _sample_counts(batch):
                 x = tf.random.normal((samples, *shapes[a]))
                 y = tf.zeros((samples,), tf.int32)
                 upstream = None if stage.last else tf.ones((samples, *shapes[b]))
-                grads = [tf.zeros_like(v) for v in stage.variables]
-                times: dict[str, list[float]] = {"F": [], "B": [], "BW": [], "STEP": []}
-                for round_index in range(REPEATS + 1):  # the first traces
-                    t0 = time.perf_counter()
-                    with tf.GradientTape() as tape:
-                        if not stage.first:
-                            tape.watch(x)
-                        out = stage.output(x, y)
-                    if stage.last:
-                        float(out)
-                    t1 = time.perf_counter()
-                    made = tape.gradient(
-                        out, stage.sources(x, True, True), output_gradients=upstream
-                    )
-                    t2 = time.perf_counter()
-                    grads = [g + d for g, d in zip(grads, made, strict=False)]
-                    t3 = time.perf_counter()
-                    apply(grads)
-                    t4 = time.perf_counter()
-                    if round_index:
-                        for op, seconds in (("F", t1 - t0), ("B", t3 - t1), ("BW", t3 - t2)):
-                            times[op].append(seconds)
-                        times["STEP"].append(t4 - t3)
-                at[samples] = {op: median(v) for op, v in times.items()}
-            fits = {op: fit_line({k: at[k][op] for k in at}) for op in times}
+                cases.append((a, b, samples, stage, apply, x, y, upstream))
+    times = {case[:3]: {"F": [], "B": [], "BW": [], "STEP": []} for case in cases}
+    for round_index in range(REPEATS + 1):  # the first traces
+        for a, b, samples, stage, apply, x, y, upstream in cases:
+            grads = [tf.zeros_like(v) for v in stage.variables]
+            t0 = time.perf_counter()
+            with tf.GradientTape() as tape:
+                if not stage.first:
+                    tape.watch(x)
+                out = stage.output(x, y)
+            if stage.last:
+                float(out)
+            t1 = time.perf_counter()
+            made = tape.gradient(out, stage.sources(x, True, True), output_gradients=upstream)
+            t2 = time.perf_counter()
+            grads = [g + d for g, d in zip(grads, made, strict=False)]
+            t3 = time.perf_counter()
+            apply(grads)
+            t4 = time.perf_counter()
+            if round_index:
+                timed = times[(a, b, samples)]
+                for op, seconds in (("F", t1 - t0), ("B", t3 - t1), ("BW", t3 - t2)):
+                    timed[op].append(seconds)
+                timed["STEP"].append(t4 - t3)
+    found = []
+    for a in range(n):
+        for b in range(a + 1, n + 1):
+            at = {
+                samples: {op: median(v) for op, v in times[(a, b, samples)].items()}
+                for samples in _sample_counts(batch)
+            }
+            ops = next(iter(at.values()))
+            fits = {op: fit_line({k: at[k][op] for k in at}) for op in ops}
             found.append({"start": a, "end": b, "seconds": fits})
     return found
 
