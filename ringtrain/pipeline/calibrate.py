@@ -147,7 +147,8 @@ def measure_link(link, position: int, sizes: Collection[int], tag: int) -> LinkM
         window = timed(np.zeros(nbytes, np.uint8), WINDOW) - latency
         samples.append((WINDOW * nbytes, window))
     largest = max(larger, default=ack.nbytes)
-    lone = timed(np.zeros(largest, np.uint8), 1, rest=2 * window / WINDOW) - latency
+    # a window on shared memory can time below the ping-pong's latency: no rest then
+    lone = timed(np.zeros(largest, np.uint8), 1, rest=max(2 * window / WINDOW, 0.0)) - latency
     figures = np.array([*(value for sample in samples for value in sample), lone], np.float64)
     if position == 0:
         link.send_buffer(figures, peer, tag, what)
