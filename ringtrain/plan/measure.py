@@ -90,11 +90,12 @@ def _stage_ranges(spec, optimizer_name: str, batch: int, seed: int, tf) -> list[
                 x = tf.random.normal((samples, *shapes[a]))
                 y = tf.zeros((samples,), tf.int32)
                 upstream = None if stage.last else tf.ones((samples, *shapes[b]))
-                cases.append((a, b, samples, stage, apply, x, y, upstream))
-    times = {case[:3]: {"F": [], "B": [], "BW": [], "STEP": []} for case in cases}
+                zeros = [tf.zeros_like(v) for v in stage.variables]
+                cases.append((a, b, samples, stage, apply, x, y, upstream, zeros))
+    ops = ("F", "B", "BW", "STEP")
+    times = {case[:3]: {op: [] for op in ops} for case in cases}
     for round_index in range(REPEATS + 1):  # the first traces
-        for a, b, samples, stage, apply, x, y, upstream in cases:
-            grads = [tf.zeros_like(v) for v in stage.variables]
+        for a, b, samples, stage, apply, x, y, upstream, zeros in cases:
             t0 = time.perf_counter()
             with tf.GradientTape() as tape:
                 if not stage.first:
@@ -105,7 +106,7 @@ def _stage_ranges(spec, optimizer_name: str, batch: int, seed: int, tf) -> list[
             t1 = time.perf_counter()
             made = tape.gradient(out, stage.sources(x, True, True), output_gradients=upstream)
             t2 = time.perf_counter()
-            grads = [g + d for g, d in zip(grads, made, strict=False)]
+            grads = [g + d for g, d in zip(zeros, made, strict=False)]
             t3 = time.perf_counter()
             apply(grads)
             t4 = time.perf_counter()
@@ -115,15 +116,13 @@ def _stage_ranges(spec, optimizer_name: str, batch: int, seed: int, tf) -> list[
                     timed[op].append(seconds)
                 timed["STEP"].append(t4 - t3)
     found = []
-    for a in range(n):
-        for b in range(a + 1, n + 1):
-            at = {
-                samples: {op: median(v) for op, v in times[(a, b, samples)].items()}
-                for samples in _sample_counts(batch)
-            }
-            ops = next(iter(at.values()))
-            fits = {op: fit_line({k: at[k][op] for k in at}) for op in ops}
-            found.append({"start": a, "end": b, "seconds": fits})
+    for a, b in dict.fromkeys(key[:2] for key in times):  # the ranges, in order
+        at = {
+            samples: {op: median(v) for op, v in times[(a, b, samples)].items()}
+            for samples in _sample_counts(batch)
+        }
+        fits = {op: fit_line({k: at[k][op] for k in at}) for op in ops}
+        found.append({"start": a, "end": b, "seconds": fits})
     return found
 
 
