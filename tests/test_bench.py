@@ -162,7 +162,7 @@ def test_bench_strategies_quick(tmp_path):
     assert report["environment"]["RINGTRAIN_THREADS"] == "1"
     # MWMS tuned: the sweep ran, and its pick is recorded along with every candidate.
     tuning = report["mwms_tuning"]
-    assert len(tuning["candidates"]) >= 2
+    assert len(tuning["candidates"]) >= 1  # quick: one candidate through the same sweep
     assert tuning["chosen"] in [
         {k: c[k] for k in ("implementation", "inter_op")} for c in tuning["candidates"]
     ]
@@ -183,7 +183,7 @@ def test_steal_fraction_is_the_stolen_share_of_the_ticks_between_readings():
 def test_bench_allreduce_quick(tmp_path):
     report = quick_bench("allreduce", tmp_path)
     cpus = report["machine"]["cpus"]
-    assert [run["ranks"] for run in report["runs"]] == [2, 4]
+    assert [run["ranks"] for run in report["runs"]] == [2]  # quick: 2 ranks; a full run adds 4
     for run_ in report["runs"]:
         assert run_["oversubscribed"] == (run_["ranks"] > cpus)
         cells = {}

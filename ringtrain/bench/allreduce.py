@@ -1,16 +1,16 @@
 """`ringtrain bench allreduce`: what the gradient exchange can move, per message size.
 
-Contenders: Horovod's allreduce called from Python on a tensor Python holds (out of place)
-and inside a compiled step on a tensor the step made (in place, as `--strategy data` calls it:
-see horovod_in_step), mpi4py's Allreduce on numpy
-buffers out of place and in place (the MPI library alone; the faster of the two at each size is
-the reference every ratio is taken against), and ringtrain's hand-written ring (ring.py);
-np.copyto on one rank, of twice the last-level cache, gives the memory bandwidth that bounds
-them all on one machine. 2 ranks, then 4 (more ranks than cores here, so marked
-oversubscribed). Bus bandwidth, size/time x 2(N-1)/N, is what each link carries in a ring, so
-it is comparable across rank counts. Every collective's result is checked after its timing;
-a wrong sum fails the bench. Pinning: nobody is bound (`--bind-to none`), every rank's
-Cpus_allowed_list is recorded, with the settings (cycle time, yield, threads) the ranks ran with.
+Contenders: Horovod's allreduce called from Python on a tensor Python holds (out of place) and
+inside a compiled step on a tensor the step made (in place, as `--strategy data` calls it: see
+horovod_in_step), mpi4py's Allreduce on numpy buffers out of place and in place (the MPI library
+alone; the faster of the two at each size is the reference every ratio is taken against), and
+ringtrain's hand-written ring (ring.py); np.copyto on one rank, of twice the last-level cache,
+gives the memory bandwidth that bounds them all on one machine. 2 ranks, then 4 (more ranks than
+cores here, so marked oversubscribed); a quick run takes 2 only. Bus bandwidth, size/time x
+2(N-1)/N, is what each link carries in a ring, so it is comparable across rank counts. Every
+collective's result is checked after its timing; a wrong sum fails the bench. Pinning: nobody is
+bound (`--bind-to none`), every rank's Cpus_allowed_list is recorded, with the settings (cycle
+time, yield, threads) the ranks ran with.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ KiB, MiB = 1024, 1024 * 1024
 SIZES = [4 * KiB * 4**k for k in range(8)]  # 4 KiB .. 64 MiB
 QUICK_SIZES = [4 * KiB, 256 * KiB, 4 * MiB]
 RANKS = [2, 4]
+QUICK_RANKS = [2]  # a smoke run: the 4-rank run is the same worker, started twice as often
 MPI_CALLS = ("mpi4py Allreduce", "mpi4py Allreduce IN_PLACE")  # the faster is the reference
 HOROVOD_CALLS = ("horovod", "horovod in a step")  # from Python, and inside a compiled step
 # x the faster MPI call's busbw, from TARGET_BYTES up
@@ -48,12 +49,12 @@ TARGET_BYTES = 4 * MiB
 
 def measure(args: argparse.Namespace) -> dict:
     """One mpirun per rank count; inside each, the contenders alternate round by round."""
-    sizes = QUICK_SIZES if args.quick else SIZES
+    sizes, rank_counts = (QUICK_SIZES, QUICK_RANKS) if args.quick else (SIZES, RANKS)
     budget, max_iters = (16 * MiB, 100) if args.quick else (256 * MiB, 400)
     limit = time.monotonic() + deadline(args.quick)
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
-        for ranks in RANKS:
+        for ranks in rank_counts:
             raw_path = Path(tmp) / f"raw{ranks}.json"
             cmd = mpirun_command(
                 ranks,
