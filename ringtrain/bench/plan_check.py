@@ -1,8 +1,10 @@
 """`ringtrain bench plan`: `ringtrain plan`'s predictions against the clock.
 
-For each model: calibrate (on this node, and across --hosts if given), let the cost model rank
-every configuration of 2 ranks, then run each through `ringtrain train` itself, under mpirun,
-taking turns round by round, and compare the median measured samples/s with the prediction.
+For each model, round by round: calibrate (on this node, and across --hosts if given), let the
+cost model rank every configuration of 2 ranks, then run each through `ringtrain train` itself,
+under mpirun, in an order rotated by the round. Each run is judged against the prediction
+from its own round's calibration, and the report keeps the medians over rounds, beside what
+the same runs would score against round 1's calibration alone.
 Every configuration in the table is run (data parallel, lossy fp16, each schedule and M);
 grids of more ranks are predicted by `plan` but need more cores than 2.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+from collections import Counter
 from pathlib import Path
 from statistics import median
 
@@ -48,60 +51,22 @@ def _train(flags: list[str], args, placement: list[str], folder: Path) -> dict:
 def measure(args: argparse.Namespace) -> dict:
     placement = host_flags(args.hosts) if args.hosts else []
     nodes, per_node = (2, 1) if args.hosts else (1, 2)
-    steps = 12 if args.quick else args.steps
-    args.steps = steps
+    args.steps = 12 if args.quick else args.steps
     workloads = []
     with tempfile.TemporaryDirectory(prefix="ringtrain-bench-plan-") as tmp:
         for model in args.models.split(","):
-            path = str(Path(tmp) / f"{model}.json")
-            log.info(f"calibrating {model} ...")
-            doc = calibrate(model, DATASET, OPTIMIZER, args.batch_size, args.hosts, path)
-            table = plan(load_calibration(path, model, DATASET), nodes, per_node, args.batch_size)
-            base = ["--model", model, "--dataset", DATASET, "--optimizer", OPTIMIZER]
-            base += ["--batch-size", str(args.batch_size)]
-            measured: dict[str, list[dict]] = {p.candidate.label(): [] for p in table}
-            for r in range(args.rounds):
-                order = table[r % len(table) :] + table[: r % len(table)]
-                for p in order:
-                    log.info(f"{model} round {r + 1}/{args.rounds}: {p.candidate.label()}")
-                    flags = [*base, *p.candidate.flags()]
-                    measured[p.candidate.label()].append(_train(flags, args, placement, Path(tmp)))
-            rows = []
-            for p in table:
-                row = p.to_json()
-                runs = measured[p.candidate.label()]
-                row["measured_samples_per_sec"] = [run["rate"] for run in runs]
-                row["measured_median"] = median(row["measured_samples_per_sec"])
-                row["error"] = row["samples_per_sec"] / row["measured_median"] - 1
-                # memory above the baseline after TensorFlow's import, predicted and measured
-                row["memory_predicted_bytes"] = row["peak_memory_bytes"] - doc["baseline_bytes"]
-                row["memory_measured_bytes"] = median(run["added"] for run in runs)
-                row["memory_error"] = (
-                    row["memory_predicted_bytes"] / max(row["memory_measured_bytes"], 1) - 1
-                )
-                rows.append(row)
-            exact = [row for row in rows if "fp16" not in row["configuration"]]
-            fastest = max(exact, key=lambda row: row["measured_median"])
-            first = exact[0]
-            workloads.append(
-                {
-                    "model": model,
-                    "calibration": doc,
-                    "configurations": rows,
-                    "first_choice": first["configuration"],
-                    "fastest_measured": fastest["configuration"],
-                    "first_choice_vs_fastest": first["measured_median"]
-                    / fastest["measured_median"],
-                    "worst_error": max(abs(row["error"]) for row in rows),
-                    "worst_memory_error": max(abs(row["memory_error"]) for row in rows),
-                }
-            )
+            rounds = [
+                _round(model, r, args, nodes, per_node, placement, Path(tmp))
+                for r in range(args.rounds)
+            ]
+            workloads.append(_judge(model, rounds))
     return {
         "setting": args.label or ("2 nodes" if args.hosts else "one host, 2 ranks"),
         "hosts": args.hosts,
         "global_batch": args.batch_size,
-        "steps_per_run": steps,
+        "steps_per_run": args.steps,
         "rounds": args.rounds,
+        "judged": "each round's runs against the calibration taken just before them",
         "workloads": workloads,
         "targets": {
             "every prediction within 20%": all(w["worst_error"] <= 0.2 for w in workloads),
@@ -115,14 +80,95 @@ def measure(args: argparse.Namespace) -> dict:
     }
 
 
+def _round(
+    model: str, index: int, args, nodes: int, per_node: int, placement: list[str], folder: Path
+) -> dict:
+    """Calibrate, plan, then run every configuration the plan ranks, in an order rotated by
+    the round: the machine's speed drifts over minutes, so a prediction is only as good as a
+    calibration taken beside the runs it predicts, as a user would calibrate before a job."""
+    path = str(folder / f"{model}-{index}.json")
+    log.info(f"{model} round {index + 1}/{args.rounds}: calibrating ...")
+    doc = calibrate(model, DATASET, OPTIMIZER, args.batch_size, args.hosts, path)
+    table = plan(load_calibration(path, model, DATASET), nodes, per_node, args.batch_size)
+    base = ["--model", model, "--dataset", DATASET, "--optimizer", OPTIMIZER]
+    base += ["--batch-size", str(args.batch_size)]
+    measured = {}
+    shift = index % len(table)
+    for p in table[shift:] + table[:shift]:
+        log.info(f"{model} round {index + 1}/{args.rounds}: {p.candidate.label()}")
+        flags = [*base, *p.candidate.flags()]
+        measured[p.candidate.label()] = _train(flags, args, placement, folder)
+    predicted = [p.to_json() | {"baseline_bytes": doc["baseline_bytes"]} for p in table]
+    return {"calibration": doc, "predicted": predicted, "measured": measured}
+
+
+def _judge(model: str, rounds: list[dict]) -> dict:
+    """Per configuration: each round's prediction against that round's run; the medians."""
+    rows = []
+    for first in rounds[0]["predicted"]:
+        name = first["configuration"]
+        predicted = [_row(r["predicted"], name) for r in rounds]
+        runs = [r["measured"][name] for r in rounds]
+        rates = [run["rate"] for run in runs]
+        errors = [p["samples_per_sec"] / rate - 1 for p, rate in zip(predicted, rates, strict=True)]
+        memory = [p["peak_memory_bytes"] - p["baseline_bytes"] for p in predicted]
+        row = first | {
+            key: median(p[key] for p in predicted)
+            for key in ("step_ms", "samples_per_sec", "compute_ms", "exposed_comm_ms", "bubble")
+        }
+        row |= {
+            "fits": all(p["fits"] for p in predicted),
+            "predicted_samples_per_sec": [p["samples_per_sec"] for p in predicted],
+            "measured_samples_per_sec": rates,
+            "measured_median": median(rates),
+            "error_per_round": errors,
+            "error": median(errors),
+            # the same runs against round 1's calibration alone: what the drift costs
+            "error_against_round_1_calibration": predicted[0]["samples_per_sec"] / median(rates)
+            - 1,
+            "memory_predicted_bytes": median(memory),  # above the baseline after the import
+            "memory_measured_bytes": median(run["added"] for run in runs),
+        }
+        row["memory_error"] = (
+            row["memory_predicted_bytes"] / max(row["memory_measured_bytes"], 1) - 1
+        )
+        rows.append(row)
+    exact = [row for row in rows if "fp16" not in row["configuration"]]
+    fastest = max(exact, key=lambda row: row["measured_median"])
+    choices = [
+        next(p["configuration"] for p in r["predicted"] if "fp16" not in p["configuration"])
+        for r in rounds
+    ]
+    first = _row(exact, Counter(choices).most_common(1)[0][0])  # ties: the earliest round's
+    return {
+        "model": model,
+        "calibrations": [r["calibration"] for r in rounds],
+        "configurations": rows,
+        "first_choice_per_round": choices,
+        "first_choice": first["configuration"],
+        "fastest_measured": fastest["configuration"],
+        "first_choice_vs_fastest": first["measured_median"] / fastest["measured_median"],
+        "worst_error": max(abs(row["error"]) for row in rows),
+        "worst_error_against_round_1_calibration": max(
+            abs(row["error_against_round_1_calibration"]) for row in rows
+        ),
+        "worst_memory_error": max(abs(row["memory_error"]) for row in rows),
+    }
+
+
+def _row(rows: list[dict], name: str) -> dict:
+    return next(row for row in rows if row["configuration"] == name)
+
+
 def describe(result: dict) -> list[str]:
     lines = [f"bench plan, {result['setting']}, global batch {result['global_batch']}:"]
     for w in result["workloads"]:
         lines.append(
             f"  {w['model']}: first choice {w['first_choice']} "
             f"({w['first_choice_vs_fastest']:.2f} of the fastest measured, "
-            f"{w['fastest_measured']}); worst errors: speed {w['worst_error']:.0%}, "
-            f"memory {w['worst_memory_error']:.0%}"
+            f"{w['fastest_measured']}); worst errors: speed {w['worst_error']:.0%} "
+            f"({w['worst_error_against_round_1_calibration']:.0%} against round 1's "
+            f"calibration alone), memory {w['worst_memory_error']:.0%}"
         )
         for row in w["configurations"]:
             lines.append(
