@@ -39,7 +39,7 @@ KiB, MiB = 1024, 1024 * 1024
 SIZES = [4 * KiB * 4**k for k in range(8)]  # 4 KiB .. 64 MiB
 QUICK_SIZES = [4 * KiB, 256 * KiB, 4 * MiB]
 RANKS = [2, 4]
-QUICK_RANKS = [2]  # a smoke run: the 4-rank run is the same worker, started twice as often
+QUICK_RANKS = [2]  # a smoke run: 4 ranks run the same worker at twice the start-up cost
 MPI_CALLS = ("mpi4py Allreduce", "mpi4py Allreduce IN_PLACE")  # the faster is the reference
 HOROVOD_CALLS = ("horovod", "horovod in a step")  # from Python, and inside a compiled step
 # x the faster MPI call's busbw, from TARGET_BYTES up

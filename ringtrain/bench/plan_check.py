@@ -105,14 +105,14 @@ def _round(
 def _judge(model: str, rounds: list[dict]) -> dict:
     """Per configuration: each round's prediction against that round's run; the medians."""
     rows = []
-    for first in rounds[0]["predicted"]:
-        name = first["configuration"]
+    for initial in rounds[0]["predicted"]:
+        name = initial["configuration"]
         predicted = [_row(r["predicted"], name) for r in rounds]
         runs = [r["measured"][name] for r in rounds]
         rates = [run["rate"] for run in runs]
         errors = [p["samples_per_sec"] / rate - 1 for p, rate in zip(predicted, rates, strict=True)]
         memory = [p["peak_memory_bytes"] - p["baseline_bytes"] for p in predicted]
-        row = first | {
+        row = initial | {
             key: median(p[key] for p in predicted)
             for key in ("step_ms", "samples_per_sec", "compute_ms", "exposed_comm_ms", "bubble")
         }

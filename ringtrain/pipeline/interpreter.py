@@ -90,7 +90,7 @@ class _Loop:
         if a.is_message:
             tensor = carries(a)
             if a.op.startswith("SEND"):
-                return _SEND, tensor, self.stage_ranks[tensor.consumer], tensor.recv()
+                return _SEND, tensor, self.stage_ranks[tensor.consumer], tensor.recv_action()
             return _RECV, tensor, self.stage_ranks[tensor.stage], None
         need = consumes(a, self.stages) if self.witness else None
         return _OTHER, need, -1 if need is None else self.stage_ranks[need.stage], None
@@ -166,9 +166,9 @@ class _Loop:
             return False
         if self.made.get(need, float("inf")) > self.t + EPS or not self._free(maker):
             return False
-        end = self.t + self.transfer(need.send(), self.t)
-        self._record(maker, need.send(), end)
-        self._record(r, need.recv(), end)
+        end = self.t + self.transfer(need.send_action(), self.t)
+        self._record(maker, need.send_action(), end)
+        self._record(r, need.recv_action(), end)
         self.received.add(need)
         return True
 

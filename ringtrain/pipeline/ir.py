@@ -91,10 +91,13 @@ class Tensor(NamedTuple):
         ops = ("F",) if self.kind == "ACT" else ("B", "BI")
         return [Action(self.stage, op, self.mb) for op in ops]
 
-    def send(self) -> Action:
+    def send_action(self) -> Action:
+        """The schedule's SEND of this tensor: an action to place, not a message (the executor
+        moves tensors as numpy buffers with upper-case Send/Recv)."""
         return Action(self.stage, f"SEND_{self.kind}", self.mb)
 
-    def recv(self) -> Action:
+    def recv_action(self) -> Action:
+        """The schedule's RECV of this tensor, on its consumer's rank."""
         return Action(self.consumer, f"RECV_{self.kind}", self.mb)
 
 

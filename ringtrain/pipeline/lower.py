@@ -49,8 +49,8 @@ def naive_lowering(
         row: list[Action] = []
         for a in order:
             need, made = consumes(a, stages), produces(a, stages)
-            row += [need.recv()] if need and stage_ranks[need.stage] != r else []
-            row += [a] + ([made.send()] if made and stage_ranks[made.consumer] != r else [])
+            row += [need.recv_action()] if need and stage_ranks[need.stage] != r else []
+            row += [a] + ([made.send_action()] if made and stage_ranks[made.consumer] != r else [])
         lists.append(row)
     return add_reduce_and_step(lists, stage_ranks)
 
@@ -83,7 +83,7 @@ def send_when_made(schedule: Schedule) -> Schedule:
                 continue
             moved.append(a)
             made = produces(a, stages)
-            send = made.send() if made is not None else None
+            send = made.send_action() if made is not None else None
             if send in sends:
                 moved.append(send)
         lists.append(moved)

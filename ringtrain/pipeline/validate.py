@@ -79,7 +79,7 @@ def _out_of_order(
         if not lowered:
             return None  # the receive is lowering's to place
         what = "activation" if need.kind == "ACT" else "gradient"
-        return None if need.recv() in seen else f"runs before receiving its {what}"
+        return None if need.recv_action() in seen else f"runs before receiving its {what}"
     if any(m in seen for m in need.makers()):
         return None
     return f"runs before stage {need.stage} made its input"
@@ -131,7 +131,7 @@ def _messages(schedule: Schedule, r: int, computes: list[Action]) -> list[Action
     for a in computes:
         need, made = consumes(a, schedule.stages), produces(a, schedule.stages)
         if need is not None and schedule.stage_ranks[need.stage] != r:
-            messages.append(need.recv())
+            messages.append(need.recv_action())
         if made is not None and schedule.stage_ranks[made.consumer] != r:
-            messages.append(made.send())
+            messages.append(made.send_action())
     return messages
