@@ -16,13 +16,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from ringtrain import heartbeat, log, loop, runtime
-from ringtrain.comm import step_traffic, transfer_time
-from ringtrain.config import TrainConfig, check_paths, validate_flags
+from ringtrain.config import TrainConfig, check_paths
 from ringtrain.data import Dataset, step_plan
+from ringtrain.deadline import step_traffic, transfer_time
 from ringtrain.errors import UserError, alike_on_every_rank
 from ringtrain.guard import Watchdog, finite_on_every_rank, non_finite
 from ringtrain.launch.env import who_am_i
+from ringtrain.launch.keepalive import keepalive_warning
 from ringtrain.models import ModelSpec
+from ringtrain.validation import validate_flags
 from ringtrain.weights import save_npz
 
 
@@ -35,7 +37,7 @@ class TrainResult:
 
 
 def make_engine(spec: ModelSpec, data: Dataset, cfg: TrainConfig, world: runtime.World):
-    """The engine this strategy runs on, and its replica count (for LR scaling)."""
+    """The engine this strategy runs on, and its replica count dp_size (for LR scaling)."""
     if cfg.strategy in ("single", "data") or (cfg.strategy == "hybrid" and cfg.pp_size == 1):
         from ringtrain.dataparallel.engine import DataParallelEngine
 
@@ -43,7 +45,7 @@ def make_engine(spec: ModelSpec, data: Dataset, cfg: TrainConfig, world: runtime
     from ringtrain.pipeline.engine import PipelineEngine
 
     engine = PipelineEngine(spec, data, cfg, world)
-    return engine, engine.grid.replicas
+    return engine, engine.grid.dp_size
 
 
 def train(spec: ModelSpec, data: Dataset, cfg: TrainConfig) -> TrainResult:
@@ -66,15 +68,17 @@ def train(spec: ModelSpec, data: Dataset, cfg: TrainConfig) -> TrainResult:
         f"ringtrain: strategy {cfg.strategy}, {world.size} rank(s), model of {len(spec)} "
         f"elements, global batch {cfg.batch_size}"
     )
+    if world.rank == 0 and (warning := keepalive_warning()):
+        log.any_rank(warning)
     if cfg.loop == "fit" and cfg.strategy in ("single", "data"):
         from ringtrain.dataparallel.keras_fit import fit
 
         metrics, weights = fit(spec, data, cfg, world, watchdog)
     else:
-        engine, replicas = make_engine(spec, data, cfg, world)
+        engine, dp_size = make_engine(spec, data, cfg, world)
         traffic = step_traffic(engine, cfg.microbatches)  # the deadline rule, for a whole step
         watchdog.allow(transfer_time(traffic, cfg.min_link_rate))
-        metrics = loop.run(engine, data, cfg, world, replicas, watchdog)
+        metrics = loop.run(engine, data, cfg, world, dp_size, watchdog)
         watchdog.kick("gathering the weights")
         weights = engine.gather_weights()
     if not finite_on_every_rank(world.comm, (weights or {}).values()):  # the last update's
@@ -105,10 +109,10 @@ def _check_fit(spec: ModelSpec) -> None:
 
 
 def _hybrid_process_sets(cfg: TrainConfig) -> list[list[int]] | None:
-    """Static Horovod process sets, one per stage, for the replicas of that stage."""
+    """Static Horovod process sets, one per pipeline rank, for the replicas of its stages."""
     if cfg.strategy != "hybrid" or not cfg.pp_size or cfg.pp_size == 1:
         return None
     from ringtrain.pipeline.grid import Grid
 
     world_size = who_am_i().world_size
-    return Grid(world_size, cfg.pp_size).stage_sets()
+    return Grid(world_size, cfg.pp_size).dp_groups()

@@ -128,7 +128,7 @@ def latest(root: str) -> dict | None:
     return None
 
 
-def stored_partition(root: str, stages: int, elements: int) -> list[tuple[int, int]] | None:
+def stored_partition(root: str, n_stages: int, elements: int) -> list[tuple[int, int]] | None:
     """The split of the model the newest checkpoint was trained with, for a resumed pipeline
     to reuse: measuring `time` again could split differently, and the parts hold its stages.
     None when there is no checkpoint or it holds no partition (not a pipeline's)."""
@@ -137,11 +137,11 @@ def stored_partition(root: str, stages: int, elements: int) -> list[tuple[int, i
     if bounds is None:
         return None
     ends = [end for _, end in bounds]
-    if len(bounds) != stages or ends[-1] != elements:
+    if len(bounds) != n_stages or ends[-1] != elements:
         raise UserError(
             f"checkpoint {manifest['folder']} splits {_count(ends[-1], 'model element')} into "
             f"{_count(len(bounds), 'stage')}, but this run has {_count(elements, 'element')} in "
-            f"{_count(stages, 'stage')}"
+            f"{_count(n_stages, 'stage')}"
         )
     return [(int(start), int(end)) for start, end in bounds]
 
@@ -161,6 +161,36 @@ def read_part(manifest: dict, part: str) -> dict[str, np.ndarray]:
         raise UserError(f"checkpoint {path} cannot be read ({exc})") from None
 
 
+def flag_identity(cfg) -> dict:
+    """What a checkpoint must share with the run resuming it, as far as the flags tell."""
+    return {
+        "model": cfg.model,
+        "optimizer": cfg.optimizer,
+        "batch_size": cfg.batch_size,
+        "seed": cfg.seed,
+        "dataset": cfg.dataset,
+    }
+
+
+def check_identity(manifest: dict, identity: dict) -> None:
+    theirs = manifest.get("identity", {})
+    for key, mine in identity.items():
+        if theirs.get(key) != mine:
+            raise UserError(
+                f"checkpoint {manifest['folder']} does not fit this run: {key} is "
+                f"{theirs.get(key)!r} there and {mine!r} here (written by --strategy "
+                f"{manifest.get('strategy')} on {manifest.get('world_size')} rank(s))"
+            )
+
+
+def check_resumable(cfg) -> None:
+    """The newest checkpoint is whole and fits the flags: a refusal found from the files alone,
+    before TensorFlow loads. What fits the model and the ranks is checked at the restore."""
+    manifest = latest(cfg.checkpoint_dir)
+    if manifest is not None:
+        check_identity(manifest, flag_identity(cfg))
+
+
 class RunCheckpoints:
     """Saving and resuming one run: who writes which part, and whether a checkpoint fits.
 
@@ -172,14 +202,7 @@ class RunCheckpoints:
     def __init__(self, cfg, world, engine):
         self.cfg, self.world, self.engine = cfg, world, engine
         self.newest = 0
-        self.identity = {
-            "model": cfg.model,
-            "optimizer": cfg.optimizer,
-            "batch_size": cfg.batch_size,
-            "seed": cfg.seed,
-            "dataset": cfg.dataset,
-            **engine.layout(),
-        }
+        self.identity = {**flag_identity(cfg), **engine.layout()}
 
     def save(self, step: int, epoch: int, losses: list[float]) -> None:
         """Write the checkpoint of `step`, or raise on every rank if any part of the state is
@@ -223,14 +246,7 @@ class RunCheckpoints:
         manifest = latest(self.cfg.checkpoint_dir)
         if manifest is None:
             return 0, []
-        theirs = manifest.get("identity", {})
-        for key, mine in self.identity.items():
-            if theirs.get(key) != mine:
-                raise UserError(
-                    f"checkpoint {manifest['folder']} does not fit this run: {key} is "
-                    f"{theirs.get(key)!r} there and {mine!r} here (written by --strategy "
-                    f"{manifest.get('strategy')} on {manifest.get('world_size')} rank(s))"
-                )
+        check_identity(manifest, self.identity)
         state = read_part(manifest, self.engine.read_part())
         self.engine.load_state(state)
         return int(manifest["step"]), [float(x) for x in manifest.get("losses", [])]

@@ -8,6 +8,16 @@ import shutil
 import sys
 import time
 
+from ringtrain.config import (
+    CLI_EPOCHS,
+    PIPELINE_MICROBATCHES,
+    TrainConfig,
+    add_train_arguments,
+    check_paths,
+    is_schedule_file,
+    options,
+    shape_from_text,
+)
 from ringtrain.errors import (
     EXIT_CHECKPOINTED,
     EXIT_INTERRUPTED,
@@ -52,221 +62,35 @@ def _rank_or_none() -> int | None:
         return None
 
 
-def _whole_number(text: str) -> int:
-    """Any integer: ranges are checked by config.validate, so every rank says the same line."""
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    values = {}
+    for o in options():
+        given = getattr(args, o.name)
+        values[o.name] = shape_from_text(o.option, given) if o.kind is tuple else given
+    if values["epochs"] is None and values["steps"] is None:
+        values["epochs"] = CLI_EPOCHS
+    if values["microbatches"] is None:
+        values["microbatches"] = _microbatches(values["strategy"], values["schedule"])
+    return TrainConfig(**values)
 
 
-def add_train_arguments(p: argparse.ArgumentParser) -> None:
-    from ringtrain.config import (
-        LOOPS,
-        MODELS,
-        MPI_PROGRESS,
-        OPTIMIZERS,
-        PARTITIONS,
-        PROGRESS,
-        SCHEDULE_KINDS,
-        STRATEGIES,
-    )
-
-    # Choices are checked by config.validate, so every bad value gets the same one-line message.
-    p.add_argument("--strategy", default="data", help=f"one of {', '.join(STRATEGIES)}")
-    p.add_argument("--model", default="mlp", help=f"one of {', '.join(MODELS)}")
-    p.add_argument("--dataset", default="digits", help="digits, synthetic or npz:PATH")
-    p.add_argument("--batch-size", type=_whole_number, default=64, help="the global batch")
-    length = p.add_mutually_exclusive_group()
-    length.add_argument("--epochs", type=_whole_number, help="default 15 when --steps is absent")
-    length.add_argument("--steps", type=_whole_number, help="optimizer updates to run")
-    p.add_argument("--optimizer", default="adam", help=f"one of {', '.join(OPTIMIZERS)}")
-    p.add_argument("--lr", type=float, default=0.003)
-    p.add_argument("--seed", type=_whole_number, default=0)
-    p.add_argument("--loop", default="custom", help=f"one of {', '.join(LOOPS)}")
-    p.add_argument(
-        "--accumulate",
-        type=_whole_number,
-        default=1,
-        help="split each rank's slice into K sequential parts (same update)",
-    )
-    p.add_argument("--fp16-allreduce", action="store_true", help="Horovod fp16 compression")
-    p.add_argument(
-        "--bucket-mb",
-        type=float,
-        help="allreduce gradients in buckets of this many MiB as the backward makes them "
-        "(default: one fused allreduce after the backward)",
-    )
-    p.add_argument("--scale-lr", action="store_true", help="multiply --lr by the replica count")
-    p.add_argument("--warmup-epochs", type=float, default=0.0, help="linear LR warm-up")
-    p.add_argument("--clip-norm", type=float, help="clip by the global gradient norm")
-    p.add_argument(
-        "--schedule",
-        default="1f1b",
-        help=f"one of {', '.join(SCHEDULE_KINDS)}, or FILE.json as `ringtrain schedule --json` "
-        "prints it",
-    )
-    p.add_argument(
-        "--virtual-stages",
-        type=_whole_number,
-        default=1,
-        help="stages per pipeline rank (--schedule interleaved); the model splits into P*V",
-    )
-    p.add_argument(
-        "--recompute",
-        action="store_true",
-        help="redo each stage's forward in its backward: less activation memory, more compute",
-    )
-    p.add_argument(
-        "--microbatches",
-        type=_whole_number,
-        default=None,
-        help="microbatches per replica batch (pipeline default 4, or a schedule file's)",
-    )
-    p.add_argument(
-        "--partition",
-        help=f"one of {', '.join(PARTITIONS)} (default: time where the model has more "
-        "elements than stages, else uniform; a resumed run keeps its checkpoint's)",
-    )
-    p.add_argument("--pp-size", type=_whole_number, help="stages per pipeline (hybrid)")
-    p.add_argument(
-        "--comm-timeout",
-        type=float,
-        default=120.0,
-        help="seconds a stage may stay silent before the job is aborted",
-    )
-    p.add_argument(
-        "--startup-timeout",
-        type=float,
-        default=600.0,
-        help="seconds start-up and the first step (graph tracing) may take; only a peer whose "
-        "connection is torn down ends the job sooner, after --comm-timeout",
-    )
-    p.add_argument(
-        "--min-link-rate",
-        type=float,
-        default=1.0,
-        help="MB/s: a wait for B bytes lasts up to --comm-timeout + B at this rate",
-    )
-    p.add_argument(
-        "--sync-sends",
-        action="store_true",
-        help="synchronous sends (Ssend): proves the schedule needs no MPI buffering",
-    )
-    p.add_argument(
-        "--mpi-progress",
-        default="auto",
-        help=f"one of {', '.join(MPI_PROGRESS)}: a thread that keeps a stage's transfers "
-        "moving while it computes (auto: when the pipeline spans hosts)",
-    )
-    p.add_argument("--checkpoint-dir", help="write checkpoints here (atomic, with a manifest)")
-    p.add_argument(
-        "--checkpoint-every",
-        type=_whole_number,
-        default=0,
-        help="steps between checkpoints (default: only at a stop and at the end)",
-    )
-    p.add_argument("--keep", type=_whole_number, default=3, help="complete checkpoints kept")
-    p.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue from the newest complete checkpoint (none: start afresh)",
-    )
-    p.add_argument(
-        "--stop-after",
-        type=_whole_number,
-        help="checkpoint and stop after step N (exit 75), --steps unchanged",
-    )
-    p.add_argument("--synthetic-size", type=_whole_number, default=2048)
-    p.add_argument("--synthetic-shape", default="8,8,1", help="e.g. 32,32,3")
-    p.add_argument("--metrics-out", help="rank 0 writes metrics JSON here")
-    p.add_argument("--weights-out", help="rank 0 writes every trainable weight (.npz) here")
-    p.add_argument("--trace", help="Chrome-trace JSON of the pipeline run")
-    p.add_argument("--gantt", help="Gantt chart PNG of the measured pipeline run")
-    p.add_argument(
-        "--progress",
-        default="auto",
-        help=f"one of {', '.join(PROGRESS)}: per-epoch progress on rank 0 "
-        "(auto: a live bar on a terminal, lines under a launcher or into a file)",
-    )
-    p.add_argument(
-        "--tensorboard",
-        metavar="DIR",
-        help="rank 0 writes TensorBoard scalars here (view: tensorboard --logdir DIR)",
-    )
-
-
-def config_from_args(args: argparse.Namespace):
-    from ringtrain.config import TrainConfig
-
-    try:
-        shape = tuple(int(d) for d in args.synthetic_shape.split(","))
-    except ValueError:
-        raise UserError(f"--synthetic-shape {args.synthetic_shape!r} is not like 32,32,3") from None
-    return TrainConfig(
-        strategy=args.strategy,
-        model=args.model,
-        dataset=args.dataset,
-        batch_size=args.batch_size,
-        epochs=15 if args.epochs is None and args.steps is None else args.epochs,
-        steps=args.steps,
-        optimizer=args.optimizer,
-        lr=args.lr,
-        seed=args.seed,
-        loop=args.loop,
-        accumulate=args.accumulate,
-        fp16_allreduce=args.fp16_allreduce,
-        bucket_mb=args.bucket_mb,
-        scale_lr=args.scale_lr,
-        warmup_epochs=args.warmup_epochs,
-        clip_norm=args.clip_norm,
-        schedule=args.schedule,
-        microbatches=_microbatches(args),
-        virtual_stages=args.virtual_stages,
-        recompute=args.recompute,
-        partition=args.partition,
-        pp_size=args.pp_size,
-        comm_timeout=args.comm_timeout,
-        startup_timeout=args.startup_timeout,
-        min_link_rate=args.min_link_rate,
-        sync_sends=args.sync_sends,
-        mpi_progress=args.mpi_progress,
-        metrics_out=args.metrics_out,
-        weights_out=args.weights_out,
-        trace=args.trace,
-        gantt=args.gantt,
-        checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every=args.checkpoint_every,
-        keep=args.keep,
-        resume=args.resume,
-        stop_after=args.stop_after,
-        synthetic_size=args.synthetic_size,
-        synthetic_shape=shape,
-        progress=args.progress,
-        tensorboard=args.tensorboard,
-    )
-
-
-def _microbatches(args: argparse.Namespace) -> int:
-    """--microbatches; else a schedule file's own count (it fixes M); else 4 for a pipeline."""
-    from ringtrain.config import is_schedule_file
-
-    if args.microbatches is not None:
-        return args.microbatches
-    if args.strategy not in ("pipeline", "hybrid"):
-        return 1
-    if is_schedule_file(args.schedule):
+def _microbatches(strategy: str, schedule: str) -> int:
+    """A schedule file's own count (it fixes M); else the pipeline default; else one."""
+    if strategy not in ("pipeline", "hybrid"):
+        return TrainConfig.microbatches
+    if is_schedule_file(schedule):
         from ringtrain.pipeline.schedule import load_schedule_file
 
-        return load_schedule_file(args.schedule).microbatches
-    return 4
+        return load_schedule_file(schedule).microbatches
+    return PIPELINE_MICROBATCHES
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from ringtrain.config import validate_flags
+    """Every check that needs no model runs before TensorFlow loads (5 s of CPU per rank)."""
+    from ringtrain.validation import validate_flags
 
     me = _who_am_i()
-    with alike_on_every_rank(me.rank):  # flags first: cheap, before TensorFlow loads
+    with alike_on_every_rank(me.rank):  # flags first: the same verdict on every rank
         cfg = config_from_args(args)
         validate_flags(cfg, me.world_size)
     if me.source == "single" and shutil.which("mpirun") is None:
@@ -289,13 +113,18 @@ def run_train(args: argparse.Namespace) -> int:
     return EXIT_CHECKPOINTED if cfg.checkpoint_dir else EXIT_PROBLEMS
 
 
-def _outputs_and_data(cfg):
-    """The output paths, then the dataset: what only each node's files can tell."""
-    from ringtrain.config import check_paths
-    from ringtrain.data import load_dataset
+def _outputs_and_data(cfg: TrainConfig):
+    """The output paths, the dataset and the checkpoint to resume: what only each node's files
+    can tell."""
+    from ringtrain.checkpoint import check_resumable
+    from ringtrain.data import load_dataset, step_plan
 
     check_paths(cfg)
-    return load_dataset(cfg.dataset, cfg.seed, cfg.synthetic_size, cfg.synthetic_shape)
+    data = load_dataset(cfg.dataset, cfg.seed, cfg.synthetic_size, cfg.synthetic_shape)
+    step_plan(len(data.x), cfg.batch_size, cfg.epochs, cfg.steps)
+    if cfg.resume:
+        check_resumable(cfg)
+    return data
 
 
 def _agreed(attempt, me, timeout: float):
@@ -385,7 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The one place where errors become a line on stderr and an exit code (README table)."""
+    """The one place where errors become a line on stderr and an exit code (see
+    docs/reference/exit-codes.md)."""
     prog = PROG
     try:
         args, extra = build_parser().parse_known_args(argv)
@@ -411,15 +241,27 @@ def _fail(prog: str, problem: UserError) -> int:
     me = _rank_or_none()
     if not problem.said_elsewhere:
         report(prog, str(problem), me)
-    elif me:
-        # mpirun and srun --kill-on-bad-exit end the job at the first non-zero exit; a quiet
-        # rank that left first would take rank 0's line with it. Rank 0's exit ends this wait.
+    # mpirun and srun --kill-on-bad-exit end the job at the first non-zero exit; a quiet rank
+    # that left first would take rank 0's line with it. Ranks that stop together and share MPI
+    # leave once all have arrived (and said their lines); before MPI, rank 0's exit ends the wait.
+    if problem.together and _mpi_job_running():
+        _meet_every_rank(QUIET_RANK_GRACE_S)
+    elif problem.said_elsewhere and me:
         time.sleep(QUIET_RANK_GRACE_S)
     if not problem.together and _mpi_job_running():
         from ringtrain.guard import end_job
 
         end_job(problem.exit_code)
     return problem.exit_code
+
+
+def _meet_every_rank(timeout: float) -> None:
+    """A barrier that gives up after `timeout` seconds rather than hang a failing job."""
+    from mpi4py import MPI
+
+    arrived, deadline = MPI.COMM_WORLD.Ibarrier(), time.monotonic() + timeout
+    while not arrived.Test() and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _mpi_job_running() -> bool:

@@ -1,11 +1,8 @@
 """Point-to-point messages with deadlines, on contiguous numpy buffers (no pickle).
 
 MPI receives have no timeout, so every wait polls a non-blocking request against a deadline;
-a peer that stays silent past it aborts the whole job with a line naming that peer and its host.
-
-The deadline rule: a wait for a message of B bytes may last `--comm-timeout` plus B at
-`--min-link-rate` MB/s. A slow link that still moves data at the minimum rate never trips it;
-a silent peer trips it `--comm-timeout` after the transfer should have ended.
+a peer that stays silent past it (the deadline rule, see deadline.py) aborts the whole job with
+a line naming that peer and its host.
 """
 
 from __future__ import annotations
@@ -15,33 +12,12 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ringtrain.deadline import DEFAULT_MIN_LINK_RATE, transfer_time, waited
 from ringtrain.errors import EXIT_SILENT_PEER
 from ringtrain.guard import abort_job
 
-DEFAULT_MIN_LINK_RATE = 1.0  # MB/s: below any real cluster link, above a dead one
 # The longest sleep between two polls of a wait: each waited message arrives up to this late.
 LONGEST_PAUSE = 0.0002  # at 1 ms, a 2-stage 1F1B idled 1-3 points more (measured A/B)
-
-
-def transfer_time(nbytes: int, min_rate: float = DEFAULT_MIN_LINK_RATE) -> float:
-    """Seconds `nbytes` may take at the minimum rate: what a deadline adds to --comm-timeout."""
-    return nbytes / (min_rate * 1e6)
-
-
-def waited(timeout: float, extra: float) -> str:
-    """How an error line states a deadline: `20 s`, or `20 s (+1.5 s for the bytes)`."""
-    return f"{timeout:g} s" + (f" (+{extra:.1f} s for the bytes)" if extra >= 0.05 else "")
-
-
-def step_traffic(engine, microbatches: int) -> int:
-    """Bytes one step may move through a rank: its gradients twice (a ring allreduce sends and
-    receives about that much), plus, on a pipeline stage, each microbatch's activation and
-    gradient buffers."""
-    from ringtrain.weights import variable_bytes
-
-    weights = sum(variable_bytes(engine.variables))
-    per_microbatch = getattr(engine, "microbatch_bytes", 0)
-    return 2 * weights + microbatches * per_microbatch
 
 
 def world_rank(comm, peer: int) -> int:

@@ -1,16 +1,24 @@
-"""The training configuration and its validation.
+"""The training configuration: every flag of `ringtrain train` declared once, as a field.
 
-Validation is pure and depends only on the flags and the world size, so every rank reaches the
-same verdict before the first collective and no rank is left waiting for another.
+A field's `Flag` holds its help, its choices, the bound its value must meet and, for an output,
+how its path is checked. `ringtrain train`'s options and `--help` (cli.py), the checks of single
+values and the checks of output paths are all made from these declarations, so a default, a
+choice or a bound is written in one place. The checks are pure: the same values give the same
+verdict on every rank. Rules that tie flags together live in validation.py.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import tempfile
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import asdict, dataclass, field, fields
+from types import NoneType, UnionType
+from typing import Any, get_args, get_origin, get_type_hints
 
+from ringtrain.deadline import DEFAULT_MIN_LINK_RATE
 from ringtrain.errors import UserError
 
 STRATEGIES = ("single", "data", "model", "pipeline", "hybrid")
@@ -22,61 +30,41 @@ PARTITIONS = ("uniform", "params", "time")
 PROGRESS = ("auto", "bar", "lines", "none")
 MPI_PROGRESS = ("auto", "thread", "off")
 MAX_SEED = 2**32 - 1  # what every seeded generator on the way accepts
-MPI_TAG_LIMIT = 32767  # the largest tag every MPI must accept (MPI_TAG_UB may be larger)
+SCHEDULE_FILE = ".json"  # --schedule FILE.json: a schedule as `ringtrain schedule --json` prints it
+SHAPE_EXAMPLE = "32,32,3"
+# The command line's own defaults, where the Python API's would not suit a run from a shell:
+CLI_EPOCHS = 15  # when neither --epochs nor --steps is given (the API's: one epoch)
+PIPELINE_MICROBATCHES = 4  # --microbatches of a pipeline without a schedule file (the API's: 1)
+
+Bound = Callable[[Any], str | None]  # what is wrong with a value, or None
 
 
-@dataclass
-class TrainConfig:
-    """Everything that decides what a run computes; identical on every rank."""
-
-    strategy: str = "data"
-    model: str = "mlp"
-    dataset: str = "digits"
-    batch_size: int = 64
-    epochs: int | None = None
-    steps: int | None = None
-    optimizer: str = "adam"
-    lr: float = 0.003
-    seed: int = 0
-    loop: str = "custom"
-    accumulate: int = 1
-    fp16_allreduce: bool = False
-    bucket_mb: float | None = None  # None: one fused allreduce after the whole backward
-    scale_lr: bool = False
-    warmup_epochs: float = 0.0
-    clip_norm: float | None = None
-    schedule: str = "1f1b"  # a kind of SCHEDULE_KINDS or the path of a schedule file (*.json)
-    microbatches: int = 1
-    virtual_stages: int = 1  # stages per pipeline rank (interleaved)
-    recompute: bool = False  # redo each forward in its backward instead of keeping its tape
-    partition: str | None = None  # None: time where elements outnumber stages, else uniform
-    pp_size: int | None = None
-    comm_timeout: float = 120.0
-    startup_timeout: float = 600.0  # living peers may take this long to trace the first step
-    min_link_rate: float = 1.0  # MB/s a transfer may not fall below (comm.allowance)
-    sync_sends: bool = False
-    mpi_progress: str = "auto"  # auto: a progress thread when a pipeline spans hosts
-    metrics_out: str | None = None
-    weights_out: str | None = None
-    trace: str | None = None
-    gantt: str | None = None
-    synthetic_size: int = 2048
-    synthetic_shape: tuple[int, ...] = field(default=(8, 8, 1))
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0  # steps; 0 saves only when stopping and at the end
-    keep: int = 3
-    resume: bool = False
-    stop_after: int | None = None
-    progress: str = "auto"  # auto: a live bar on a terminal, lines under a launcher
-    tensorboard: str | None = None  # rank 0 writes TensorBoard scalars into this folder
-
-    def as_dict(self) -> dict:
-        return asdict(self)
+def at_least(low: int) -> Bound:
+    return lambda value: None if value >= low else f"must be at least {low}, got {value}"
 
 
-def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise UserError(f"unknown {name} {value!r}; choose one of {', '.join(allowed)}")
+def positive(value: float) -> str | None:
+    return None if value > 0 else f"must be positive, got {value}"
+
+
+def not_negative(value: float) -> str | None:
+    return None if value >= 0 else f"must not be negative, got {value}"
+
+
+def _seed_range(value: int) -> str | None:
+    if 0 <= value <= MAX_SEED:
+        return None
+    return f"must be a whole number from 0 to {MAX_SEED}, got {value}"
+
+
+def shape_text(shape: tuple[int, ...]) -> str:
+    return ",".join(str(d) for d in shape)
+
+
+def _dimensions(shape: tuple[int, ...]) -> str | None:
+    if shape and min(shape) >= 1:
+        return None
+    return f"{shape_text(shape)} needs dimensions of at least 1"
 
 
 def check_writable(flag: str, path: str | None) -> None:
@@ -114,8 +102,309 @@ def check_png(flag: str, path: str | None) -> None:
     check_writable(flag, path)
 
 
-def pipeline_stages(cfg: TrainConfig, world_size: int) -> int:
-    """How many stages one model replica has under this strategy."""
+@dataclass(frozen=True)
+class Flag:
+    """How a field is given on the command line and which values it takes.
+
+    `help` may name `{choices}`, which lists them. Choices and bounds are checked by
+    `check_values` rather than by argparse, so every bad value gets the same kind of line.
+    """
+
+    help: str | None = None
+    choices: tuple[str, ...] = ()
+    or_file: str = ""  # besides the choices, a file with this suffix (--schedule FILE.json)
+    bound: Bound | None = None
+    path: Callable[[str, str | None], None] | None = None  # how an output path is checked
+    group: str | None = None  # flags of one group exclude each other on the command line
+    metavar: str | None = None
+
+    def describe(self) -> str | None:
+        return self.help and self.help.format(choices=", ".join(self.choices))
+
+
+def flag(help: str | None = None, **how: Any) -> dict[str, Flag]:
+    """A TrainConfig field's metadata: its flag."""
+    return {"flag": Flag(help, **how)}
+
+
+@dataclass
+class TrainConfig:
+    """Everything that decides what a run computes; identical on every rank."""
+
+    strategy: str = field(default="data", metadata=flag("one of {choices}", choices=STRATEGIES))
+    model: str = field(default="mlp", metadata=flag("one of {choices}", choices=MODELS))
+    dataset: str = field(default="digits", metadata=flag("digits, synthetic or npz:PATH"))
+    batch_size: int = field(default=64, metadata=flag("the global batch", bound=at_least(1)))
+    epochs: int | None = field(
+        default=None,
+        metadata=flag(
+            f"default {CLI_EPOCHS} when --steps is absent", bound=at_least(1), group="length"
+        ),
+    )
+    steps: int | None = field(
+        default=None, metadata=flag("optimizer updates to run", bound=at_least(1), group="length")
+    )
+    optimizer: str = field(default="adam", metadata=flag("one of {choices}", choices=OPTIMIZERS))
+    lr: float = field(default=0.003, metadata=flag(bound=positive))
+    seed: int = field(default=0, metadata=flag(bound=_seed_range))
+    loop: str = field(default="custom", metadata=flag("one of {choices}", choices=LOOPS))
+    accumulate: int = field(
+        default=1,
+        metadata=flag(
+            "split each rank's slice into K sequential parts (same update)", bound=at_least(1)
+        ),
+    )
+    fp16_allreduce: bool = field(default=False, metadata=flag("Horovod fp16 compression"))
+    bucket_mb: float | None = field(
+        default=None,
+        metadata=flag(
+            "allreduce gradients in buckets of this many MiB as the backward makes them "
+            "(default: one fused allreduce after the backward)",
+            bound=positive,
+        ),
+    )
+    scale_lr: bool = field(default=False, metadata=flag("multiply --lr by the replica count"))
+    warmup_epochs: float = field(
+        default=0.0,
+        metadata=flag(
+            "linear LR warm-up over W epochs, as Horovod's: from the target LR (--lr, or the "
+            "scaled LR with --scale-lr) divided by the replica count, up to that target",
+            bound=not_negative,
+        ),
+    )
+    clip_norm: float | None = field(
+        default=None, metadata=flag("clip by the global gradient norm", bound=positive)
+    )
+    schedule: str = field(
+        default="1f1b",
+        metadata=flag(
+            "one of {choices}, or FILE.json as `ringtrain schedule --json` prints it",
+            choices=SCHEDULE_KINDS,
+            or_file=SCHEDULE_FILE,
+        ),
+    )
+    virtual_stages: int = field(
+        default=1,
+        metadata=flag(
+            "stages per pipeline rank (--schedule interleaved); the model splits into P*V",
+            bound=at_least(1),
+        ),
+    )
+    recompute: bool = field(
+        default=False,
+        metadata=flag(
+            "redo each stage's forward in its backward: less activation memory, more compute"
+        ),
+    )
+    microbatches: int = field(
+        default=1,
+        metadata=flag(
+            f"microbatches per replica batch (pipeline default {PIPELINE_MICROBATCHES}, or a "
+            "schedule file's)",
+            bound=at_least(1),
+        ),
+    )
+    partition: str | None = field(
+        default=None,
+        metadata=flag(
+            "one of {choices} (default: time where the model has more elements than stages, else "
+            "uniform; a resumed run keeps its checkpoint's)",
+            choices=PARTITIONS,
+        ),
+    )
+    pp_size: int | None = field(default=None, metadata=flag("stages per pipeline (hybrid)"))
+    comm_timeout: float = field(
+        default=120.0,
+        metadata=flag("seconds a stage may stay silent before the job is aborted", bound=positive),
+    )
+    startup_timeout: float = field(
+        default=600.0,
+        metadata=flag(
+            "seconds start-up and the first step (graph tracing) may take; only a peer whose "
+            "connection is torn down ends the job sooner, after --comm-timeout",
+            bound=positive,
+        ),
+    )
+    min_link_rate: float = field(
+        default=DEFAULT_MIN_LINK_RATE,
+        metadata=flag(
+            "MB/s: a wait for B bytes lasts up to --comm-timeout + B at this rate", bound=positive
+        ),
+    )
+    sync_sends: bool = field(
+        default=False,
+        metadata=flag("synchronous sends (Ssend): proves the schedule needs no MPI buffering"),
+    )
+    mpi_progress: str = field(
+        default="auto",
+        metadata=flag(
+            "one of {choices}: a thread that keeps a stage's transfers moving while it computes "
+            "(auto: when the pipeline spans hosts)",
+            choices=MPI_PROGRESS,
+        ),
+    )
+    checkpoint_dir: str | None = field(
+        default=None,
+        metadata=flag("write checkpoints here (atomic, with a manifest)", path=check_folder),
+    )
+    checkpoint_every: int = field(
+        default=0,
+        metadata=flag(
+            "steps between checkpoints (default: only at a stop and at the end)", bound=not_negative
+        ),
+    )
+    keep: int = field(default=3, metadata=flag("complete checkpoints kept", bound=at_least(1)))
+    resume: bool = field(
+        default=False,
+        metadata=flag("continue from the newest complete checkpoint (none: start afresh)"),
+    )
+    stop_after: int | None = field(
+        default=None,
+        metadata=flag(
+            "checkpoint and stop after step N (exit 75), --steps unchanged", bound=at_least(1)
+        ),
+    )
+    synthetic_size: int = field(default=2048, metadata=flag(bound=at_least(1)))
+    synthetic_shape: tuple[int, ...] = field(
+        default=(8, 8, 1), metadata=flag(f"e.g. {SHAPE_EXAMPLE}", bound=_dimensions)
+    )
+    metrics_out: str | None = field(
+        default=None, metadata=flag("rank 0 writes metrics JSON here", path=check_writable)
+    )
+    weights_out: str | None = field(
+        default=None,
+        metadata=flag("rank 0 writes every trainable weight (.npz) here", path=check_writable),
+    )
+    trace: str | None = field(
+        default=None, metadata=flag("Chrome-trace JSON of the pipeline run", path=check_writable)
+    )
+    gantt: str | None = field(
+        default=None, metadata=flag("Gantt chart PNG of the measured pipeline run", path=check_png)
+    )
+    progress: str = field(
+        default="auto",
+        metadata=flag(
+            "one of {choices}: per-epoch progress on rank 0 (auto: a live bar on a terminal, lines "
+            "under a launcher or into a file)",
+            choices=PROGRESS,
+        ),
+    )
+    tensorboard: str | None = field(
+        default=None,
+        metadata=flag(
+            "rank 0 writes TensorBoard scalars here (view: tensorboard --logdir DIR)",
+            path=check_folder,
+            metavar="DIR",
+        ),
+    )
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One field as the command line sees it."""
+
+    name: str  # the field's
+    option: str  # --the-flag
+    kind: type  # bool, int, float, str or tuple: what the command line's text becomes
+    default: Any
+    flag: Flag
+
+
+def options() -> Iterator[Option]:
+    """TrainConfig's fields in order, each with its flag."""
+    hints = get_type_hints(TrainConfig)
+    for f in fields(TrainConfig):
+        hint = hints[f.name]
+        if isinstance(hint, UnionType):  # X | None: a flag that may be absent
+            (hint,) = (h for h in get_args(hint) if h is not NoneType)
+        kind = get_origin(hint) or hint
+        yield Option(f.name, "--" + f.name.replace("_", "-"), kind, f.default, f.metadata["flag"])
+
+
+def _whole_number(text: str) -> int:
+    """Any integer: ranges are checked with the other values, so every rank says the same line."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+
+
+TEXT_TO = {int: _whole_number, float: float}  # str stays text; a shape is read by config
+
+
+def add_train_arguments(p: argparse.ArgumentParser, names: Collection[str] | None = None) -> None:
+    """An option per TrainConfig field (or per field in `names`, for a command such as `plan`
+    that takes a few of train's flags), from its declaration. argparse only turns text into
+    numbers: choices and bounds are checked with the configuration, so every bad value gets
+    the same kind of one-line message, said once for the whole job."""
+    groups = {}
+    for o in options():
+        if names is not None and o.name not in names:
+            continue
+        if o.flag.group and o.flag.group not in groups:
+            groups[o.flag.group] = p.add_mutually_exclusive_group()
+        into = groups[o.flag.group] if o.flag.group else p
+        if o.kind is bool:
+            into.add_argument(o.option, action="store_true", help=o.flag.describe())
+            continue
+        into.add_argument(
+            o.option,
+            type=TEXT_TO.get(o.kind),
+            default=_default_on_command_line(o),
+            help=o.flag.describe(),
+            metavar=o.flag.metavar,
+        )
+
+
+def _default_on_command_line(o: Option):
+    """A shape as text; no --microbatches, which follows the strategy (see _microbatches)."""
+    if o.name == "microbatches":
+        return None
+    return shape_text(o.default) if o.kind is tuple else o.default
+
+
+def shape_from_text(option: str, text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(d) for d in text.split(","))
+    except ValueError:
+        raise UserError(f"{option} {text!r} is not like {SHAPE_EXAMPLE}") from None
+
+
+def is_schedule_file(schedule: str) -> bool:
+    """`--schedule` names a file of the format `ringtrain schedule --json` prints."""
+    return schedule.endswith(SCHEDULE_FILE)
+
+
+def check_values(cfg: TrainConfig) -> None:
+    """Each value alone: a choice it must be, a finite number (an infinite --lr trains to NaN),
+    a bound it must meet. Absent values (None) pass."""
+    given = [(o, value) for o in options() if (value := getattr(cfg, o.name)) is not None]
+    for o, value in given:
+        allowed, or_file = o.flag.choices, o.flag.or_file
+        if allowed and value not in allowed and not (or_file and value.endswith(or_file)):
+            listed = (*allowed, f"FILE{or_file}") if or_file else allowed
+            raise UserError(f"unknown {o.option[2:]} {value!r}; choose one of {', '.join(listed)}")
+    for o, value in given:
+        if o.kind is float and not math.isfinite(value):
+            raise UserError(f"{o.option} must be a finite number, got {value}")
+    for o, value in given:
+        if o.flag.bound and (wrong := o.flag.bound(value)):
+            raise UserError(f"{o.option} {wrong}")
+
+
+def check_paths(cfg: TrainConfig) -> None:
+    """The output files and folders can be written. Unlike the flags, this asks each node's
+    filesystem, so the CLI has the ranks agree on the answer."""
+    for o in options():
+        if o.flag.path:
+            o.flag.path(o.option, getattr(cfg, o.name))
+
+
+def pp_size_of(cfg: TrainConfig, world_size: int) -> int:
+    """The ranks of one pipeline (P) under this strategy: 1 where there is no pipeline."""
     if cfg.strategy in ("model", "pipeline"):
         return world_size
     if cfg.strategy == "hybrid":
@@ -123,221 +412,8 @@ def pipeline_stages(cfg: TrainConfig, world_size: int) -> int:
     return 1
 
 
-def is_schedule_file(schedule: str) -> bool:
-    """`--schedule` names a file of the format `ringtrain schedule --json` prints."""
-    return schedule.endswith(".json")
-
-
-def pipeline_schedule(cfg: TrainConfig, ranks: int):
-    """The schedule every pipeline of this run follows: generated, or the user's file checked.
-
-    Raises UserError; a file is read like a flag's value, every rank reading the same file.
-    """
-    from ringtrain.pipeline.schedule import build_schedule, load_schedule_file
-
-    if is_schedule_file(cfg.schedule):
-        return load_schedule_file(cfg.schedule)
-    try:
-        return build_schedule(cfg.schedule, ranks, cfg.microbatches, cfg.virtual_stages)
-    except ValueError as err:
-        raise UserError(f"--schedule {cfg.schedule}: {err}") from None
-
-
-def partition_method(cfg: TrainConfig, elements: int, stages: int) -> str:
+def partition_method(cfg: TrainConfig, elements: int, n_stages: int) -> str:
     """`--partition`, or by default `time` where there is a choice and `uniform` where not."""
     if cfg.partition is not None:
         return cfg.partition
-    return "time" if elements > stages else "uniform"
-
-
-def validate(cfg: TrainConfig, world_size: int, n_elements: int | None = None) -> None:
-    """Raise UserError for the first problem in the flags or the output paths."""
-    validate_flags(cfg, world_size, n_elements)
-    check_paths(cfg)
-
-
-def validate_flags(cfg: TrainConfig, world_size: int, n_elements: int | None = None) -> None:
-    """Pure: the same flags give the same answer on every rank, before any collective."""
-    _choice("strategy", cfg.strategy, STRATEGIES)
-    _choice("model", cfg.model, MODELS)
-    _choice("optimizer", cfg.optimizer, OPTIMIZERS)
-    _choice("loop", cfg.loop, LOOPS)
-    if not is_schedule_file(cfg.schedule):
-        _choice("schedule", cfg.schedule, (*SCHEDULE_KINDS, "FILE.json"))
-    if cfg.partition is not None:
-        _choice("partition", cfg.partition, PARTITIONS)
-    _choice("progress", cfg.progress, PROGRESS)
-    _choice("mpi-progress", cfg.mpi_progress, MPI_PROGRESS)
-    _check_numbers(cfg)
-    if cfg.epochs is not None and cfg.steps is not None:
-        raise UserError("give either --epochs or --steps, not both")
-    if cfg.steps is not None and cfg.steps < 1:
-        raise UserError(f"--steps must be at least 1, got {cfg.steps}")
-    if cfg.epochs is not None and cfg.epochs < 1:
-        raise UserError(f"--epochs must be at least 1, got {cfg.epochs}")
-    if not cfg.lr > 0:
-        raise UserError(f"--lr must be positive, got {cfg.lr}")
-    if cfg.batch_size < 1:
-        raise UserError(f"--batch-size must be at least 1, got {cfg.batch_size}")
-    if cfg.accumulate < 1:
-        raise UserError(f"--accumulate must be at least 1, got {cfg.accumulate}")
-    if cfg.microbatches < 1:
-        raise UserError(f"--microbatches must be at least 1, got {cfg.microbatches}")
-    if cfg.warmup_epochs < 0:
-        raise UserError(f"--warmup-epochs must not be negative, got {cfg.warmup_epochs}")
-    if cfg.clip_norm is not None and not cfg.clip_norm > 0:
-        raise UserError(f"--clip-norm must be positive, got {cfg.clip_norm}")
-    if not cfg.comm_timeout > 0:
-        raise UserError(f"--comm-timeout must be positive, got {cfg.comm_timeout}")
-    if not cfg.startup_timeout > 0:
-        raise UserError(f"--startup-timeout must be positive, got {cfg.startup_timeout}")
-    if not cfg.min_link_rate > 0:
-        raise UserError(f"--min-link-rate must be positive, got {cfg.min_link_rate}")
-    if cfg.loop == "fit" and cfg.strategy not in ("single", "data"):
-        raise UserError(f"--loop fit drives data parallelism only, not --strategy {cfg.strategy}")
-    if cfg.loop == "fit" and cfg.accumulate > 1:
-        raise UserError("--accumulate needs --loop custom (model.fit steps once per batch)")
-    if cfg.bucket_mb is not None:
-        if not cfg.bucket_mb > 0:
-            raise UserError(f"--bucket-mb must be positive, got {cfg.bucket_mb}")
-        if cfg.strategy != "data" or cfg.loop != "custom":
-            raise UserError("--bucket-mb buckets the allreduce of --strategy data --loop custom")
-    if cfg.strategy == "single" and world_size > 1:
-        raise UserError(f"--strategy single runs on one rank, but {world_size} were launched")
-    if cfg.strategy == "hybrid":
-        if cfg.pp_size is None or cfg.pp_size < 1:
-            raise UserError(
-                "--strategy hybrid needs --pp-size P (stages per pipeline) of 1 or more"
-            )
-        if world_size % cfg.pp_size:
-            raise UserError(f"world size {world_size} is not divisible by --pp-size {cfg.pp_size}")
-    if cfg.strategy == "model" and cfg.microbatches != 1:
-        raise UserError("--strategy model is the naive split with one microbatch; use pipeline")
-    stages = pipeline_stages(cfg, world_size)
-    replicas = world_size // stages
-    _validate_pipeline(cfg, stages, n_elements)
-    per_replica, rest = divmod(cfg.batch_size, replicas)
-    if rest:
-        raise UserError(
-            f"global batch {cfg.batch_size} is not divisible by {replicas} data-parallel ranks"
-        )
-    if per_replica % cfg.microbatches:
-        raise UserError(
-            f"batch {per_replica} per replica is not divisible by --microbatches {cfg.microbatches}"
-        )
-    if stages == 1 and per_replica % cfg.accumulate:
-        raise UserError(
-            f"batch {per_replica} per rank is not divisible by --accumulate {cfg.accumulate}"
-        )
-    _validate_checkpointing(cfg)
-    if cfg.tensorboard and cfg.loop == "fit":
-        raise UserError("--tensorboard needs --loop custom (model.fit keeps its own loop)")
-
-
-def _validate_pipeline(cfg: TrainConfig, ranks: int, n_elements: int | None) -> None:
-    """The schedule fits the pipeline: its kind, virtual stages, microbatches, a file's ranks,
-    the model's elements and the MPI tags its messages need."""
-    if cfg.virtual_stages < 1:
-        raise UserError(f"--virtual-stages must be at least 1, got {cfg.virtual_stages}")
-    plain = cfg.strategy == "hybrid" and cfg.pp_size == 1  # data parallelism: no stages
-    if cfg.strategy not in ("model", "pipeline", "hybrid") or plain:
-        strategy = "hybrid --pp-size 1" if plain else cfg.strategy
-        for flag, given in (
-            ("--recompute", cfg.recompute),
-            ("--virtual-stages", cfg.virtual_stages > 1),
-        ):
-            if given:
-                raise UserError(f"{flag} is for pipeline stages, not --strategy {strategy}")
-        return
-    if cfg.virtual_stages > 1 and cfg.schedule != "interleaved":
-        raise UserError(
-            f"--virtual-stages {cfg.virtual_stages} needs --schedule interleaved, "
-            f"not {cfg.schedule}"
-        )
-    if cfg.schedule == "interleaved" and cfg.microbatches % ranks:
-        raise UserError(
-            f"--schedule interleaved needs --microbatches ({cfg.microbatches}) to be a "
-            f"multiple of the {ranks} pipeline ranks"
-        )
-    schedule = pipeline_schedule(cfg, ranks)
-    if schedule.ranks != ranks:
-        raise UserError(
-            f"--schedule {cfg.schedule} is for {schedule.ranks} pipeline ranks, "
-            f"but this run has {ranks}"
-        )
-    if schedule.microbatches != cfg.microbatches:
-        raise UserError(
-            f"--schedule {cfg.schedule} has {schedule.microbatches} microbatches, "
-            f"but --microbatches is {cfg.microbatches}"
-        )
-    if n_elements is not None and schedule.stages > n_elements:
-        raise UserError(
-            f"{schedule.stages} pipeline stages but model {cfg.model!r} has only "
-            f"{n_elements} layers"
-        )
-    if message_tag(schedule.stages, cfg.microbatches, schedule.stages) > MPI_TAG_LIMIT:
-        raise UserError(
-            f"{schedule.stages} stages x {cfg.microbatches} microbatches need MPI tags above "
-            f"{MPI_TAG_LIMIT}; use fewer microbatches"
-        )
-
-
-def message_tag(stage: int, microbatches: int, mb: int, kind: int = 0) -> int:
-    """The MPI tag of stage `stage`'s message of microbatch `mb`: kind 0 an activation, 1 a
-    gradient; `message_tag(stages, M, s)` is stage s's evaluation activations."""
-    return 2 * (stage * microbatches + mb) + kind
-
-
-def check_paths(cfg: TrainConfig) -> None:
-    """The output files and folders can be written. Unlike the flags, this asks each node's
-    filesystem, so the CLI has the ranks agree on the answer."""
-    check_folder("--checkpoint-dir", cfg.checkpoint_dir)
-    check_writable("--metrics-out", cfg.metrics_out)
-    check_writable("--weights-out", cfg.weights_out)
-    check_writable("--trace", cfg.trace)
-    check_png("--gantt", cfg.gantt)
-    check_folder("--tensorboard", cfg.tensorboard)
-
-
-def _check_numbers(cfg: TrainConfig) -> None:
-    """Every float flag is finite (an infinite --lr trains to NaN), the seed fits 32 bits."""
-    floats = {
-        "--lr": cfg.lr,
-        "--warmup-epochs": cfg.warmup_epochs,
-        "--clip-norm": cfg.clip_norm,
-        "--comm-timeout": cfg.comm_timeout,
-        "--startup-timeout": cfg.startup_timeout,
-        "--min-link-rate": cfg.min_link_rate,
-    }
-    for flag, value in floats.items():
-        if value is not None and not math.isfinite(value):
-            raise UserError(f"{flag} must be a finite number, got {value}")
-    if not 0 <= cfg.seed <= MAX_SEED:
-        raise UserError(f"--seed must be a whole number from 0 to {MAX_SEED}, got {cfg.seed}")
-    if cfg.synthetic_size < 1:
-        raise UserError(f"--synthetic-size must be at least 1, got {cfg.synthetic_size}")
-    if not cfg.synthetic_shape or min(cfg.synthetic_shape) < 1:
-        shape = ",".join(str(d) for d in cfg.synthetic_shape)
-        raise UserError(f"--synthetic-shape {shape} needs dimensions of at least 1")
-
-
-def _validate_checkpointing(cfg: TrainConfig) -> None:
-    if cfg.checkpoint_every < 0:
-        raise UserError(f"--checkpoint-every must not be negative, got {cfg.checkpoint_every}")
-    if cfg.keep < 1:
-        raise UserError(f"--keep must be at least 1, got {cfg.keep}")
-    if cfg.stop_after is not None and cfg.stop_after < 1:
-        raise UserError(f"--stop-after must be at least 1, got {cfg.stop_after}")
-    needs_dir = [
-        f
-        for f, on in (
-            ("--resume", cfg.resume),
-            ("--stop-after", cfg.stop_after),
-            ("--checkpoint-every", cfg.checkpoint_every),
-        )
-        if on
-    ]
-    if needs_dir and not cfg.checkpoint_dir:
-        raise UserError(f"{needs_dir[0]} needs --checkpoint-dir DIR")
-    if cfg.checkpoint_dir and cfg.loop == "fit":
-        raise UserError("--checkpoint-dir needs --loop custom (model.fit keeps its own loop)")
+    return "time" if elements > n_stages else "uniform"

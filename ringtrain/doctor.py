@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import shutil
 import subprocess
@@ -23,9 +22,10 @@ from pathlib import Path
 
 from ringtrain.errors import UserError
 from ringtrain.launch.hostfile import parse_hostfile
+from ringtrain.launch.mpirun import mpi_env
 from ringtrain.launch.network import launcher_environment, mca_parameters, unresolved_hosts
+from ringtrain.machine import package_version
 
-ROOT_OK = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 SSH_OPTIONS = ["-o", "BatchMode=yes", "-o", "ConnectTimeout=5"]
 REMOTE_TIMEOUT = 120  # seconds for a host to import TensorFlow and Horovod and answer
 VERSIONS_FLAG = "--report-versions"
@@ -69,14 +69,7 @@ def versions() -> dict[str, str]:
 
 
 def _installed(*distributions: str) -> str:
-    from importlib import metadata
-
-    for name in distributions:
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-    return "not installed"
+    return package_version(*distributions) or "not installed"
 
 
 def _local_checks(problems: list[str]) -> None:
@@ -133,7 +126,7 @@ def _two_rank_check(problems: list[str]) -> None:
         "ringtrain.doctor",
         "--allreduce-rank",
     ]
-    env = {**os.environ, **ROOT_OK, "TF_CPP_MIN_LOG_LEVEL": "3", **launcher_environment()}
+    env = mpi_env()
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     except subprocess.TimeoutExpired:
@@ -259,7 +252,7 @@ def _allreduce_across(hosts: list[str], problems: list[str]) -> None:
         for key, value in mca_parameters(cidr).items():
             cmd += ["--mca", key, value]
     cmd += ["ringtrain", "doctor", ALLREDUCE_FLAG]
-    env = {**os.environ, **ROOT_OK, "TF_CPP_MIN_LOG_LEVEL": "3", **network}
+    env = mpi_env()
     where = f"across {hosts[0]} and {hosts[1]}"
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)

@@ -157,7 +157,7 @@ class Watchdog:
         self.active = False
 
     def _watch(self) -> None:
-        from ringtrain.comm import waited
+        from ringtrain.deadline import waited
         from ringtrain.heartbeat import blame, patient  # the side channel knows who is silent
 
         patient_at = None  # the kick whose deadline patience last stretched

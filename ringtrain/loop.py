@@ -16,7 +16,7 @@ from ringtrain.config import TrainConfig
 from ringtrain.data import Dataset, epoch_batches, step_plan
 from ringtrain.guard import StopSignal, Watchdog, non_finite
 from ringtrain.optim import learning_rate
-from ringtrain.runtime import resident_bytes
+from ringtrain.proc import resident_bytes
 
 
 class Engine(Protocol):
@@ -69,7 +69,7 @@ def run(
     data: Dataset,
     cfg: TrainConfig,
     world,
-    replicas: int,
+    dp_size: int,
     watchdog: Watchdog,
 ) -> dict:
     """Train for the configured steps; return the metrics every strategy reports.
@@ -98,7 +98,7 @@ def run(
         counted = step > first
         clock.lap("loop", counted)
         tick = clock.mark
-        lr = learning_rate(cfg, step / per_epoch, replicas)
+        lr = learning_rate(cfg, step / per_epoch, dp_size)
         engine.set_learning_rate(lr)
         watchdog.kick(f"step {step + 1}")
         clock.lap("learning_rate", counted)

@@ -32,13 +32,16 @@ class LearningRate:
             self.value = lr
 
 
-def learning_rate(cfg: TrainConfig, epoch_progress: float, replicas: int) -> float:
-    """--lr, optionally scaled by the replica count and reached by a linear warm-up.
+def learning_rate(cfg: TrainConfig, epoch_progress: float, dp_size: int) -> float:
+    """--lr, optionally scaled by the replica count (dp_size) and reached by a linear warm-up.
 
     Scaling suits users who keep the per-rank batch fixed as they add ranks (Goyal et al., 2017);
-    both options are off by default so runs stay exactly comparable across strategies.
+    both options are off by default so runs stay exactly comparable across strategies. The
+    warm-up is what Horovod's users know: it starts at the target divided by the replica count
+    (so at --lr under --scale-lr) and reaches the target linearly after `warmup_epochs`.
     """
-    target = cfg.lr * replicas if cfg.scale_lr else cfg.lr
+    target = cfg.lr * dp_size if cfg.scale_lr else cfg.lr
     if cfg.warmup_epochs > 0 and epoch_progress < cfg.warmup_epochs:
-        return cfg.lr + (target - cfg.lr) * epoch_progress / cfg.warmup_epochs
+        start = target / dp_size
+        return start + (target - start) * epoch_progress / cfg.warmup_epochs
     return target

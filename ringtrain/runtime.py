@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from ringtrain import log
 from ringtrain.errors import UserError
 from ringtrain.launch.env import who_am_i
+from ringtrain.proc import thread_ids
 
 
 @dataclass
@@ -81,10 +82,10 @@ def init_horovod(hvd, comm, process_sets: list | None = None) -> None:
     `bench dp`'s heavy CNN here took 74.5 ms against 36.5 ms of compute, and 39.9 against
     37.6 with the thread at 19. The thread still runs whenever the compute waits for it."""
     nice = horovod_nice()
-    before = _thread_ids()
+    before = thread_ids()
     hvd.init(comm=comm, process_sets=process_sets) if process_sets else hvd.init(comm=comm)
     if nice:
-        for thread in _thread_ids() - before:
+        for thread in thread_ids() - before:
             os.setpriority(os.PRIO_PROCESS, thread, nice)
 
 
@@ -95,14 +96,6 @@ def horovod_nice() -> int:
     return int(raw)
 
 
-def _thread_ids() -> set[int]:
-    return (
-        {int(t) for t in os.listdir("/proc/self/task")}
-        if os.path.isdir("/proc/self/task")
-        else set()
-    )
-
-
 def default_cycle_time(spare_core: bool) -> str:
     """Milliseconds between Horovod's coordination rounds. Without a spare core a short cycle
     takes the compute's core, and a long one delays every allreduce by up to a cycle: with
@@ -111,18 +104,6 @@ def default_cycle_time(spare_core: bool) -> str:
     and 5.4 at 1, 2 and 5 on one host). With a core to spare, 0.1 ms cuts a small
     allreduce's latency further."""
     return "0.1" if spare_core else "1"
-
-
-def resident_bytes(field: str = "VmRSS") -> int:
-    """This process's resident set (VmRSS) or its peak (VmHWM), from /proc (0 elsewhere)."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def start_mpi(local_size: int):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from ringtrain.runtime import resident_bytes
+from ringtrain.proc import resident_bytes
 
 
 def _load():

@@ -59,7 +59,7 @@ fi
 # no longer ships, so a plain pip install fails at the very end. That op serves only
 # XLA-compiled GPU graphs; the CPU/MPI path never uses it, so we drop it from the build.
 # horovod-allreduce-in-place.patch lets the allreduce op reduce a tensor nothing else holds
-# in its own buffer (MPI_IN_PLACE), as a compiled step's gradients are (README).
+# in its own buffer (MPI_IN_PLACE), as a compiled step's gradients are (docs/howto/install.md).
 # The wheel is cached by Horovod, TF and Python version and the patch: a change rebuilds it.
 tf_version=$("$PY" -c 'import importlib.metadata as m; print(m.version("tensorflow-cpu"))')
 py_tag=$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
@@ -104,6 +104,14 @@ fi
 # back; the activated venv carries the level, and a value the user exports wins.
 activate_line='export TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-3}  # ringtrain'
 grep -qxF "$activate_line" "$VENV/bin/activate" || echo "$activate_line" >>"$VENV/bin/activate"
+# Open MPI's launcher waits minutes on a node that went silent (power loss, partition) unless
+# its out-of-band keepalive is short. The venv carries a parameter file that shortens it, and
+# activate names it (between the user's own file, which still wins, and the system's), so every
+# mpirun and horovodrun started from the venv ends such a job within seconds. Nothing
+# system-wide changes. ringtrain/launch/keepalive.py says more.
+mca_files=$("$PY" -m ringtrain.launch.keepalive "$VENV/etc/ringtrain-mca-params.conf")
+sed -i '/# ringtrain-mca$/d' "$VENV/bin/activate"
+echo "export OMPI_MCA_mca_param_files=\"\${OMPI_MCA_mca_param_files:-$mca_files}\"  # ringtrain-mca" >>"$VENV/bin/activate"
 site_packages=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 echo 'import importlib.util; importlib.util.find_spec("ringtrain") and __import__("ringtrain.quiet")' \
   >"$site_packages/ringtrain-quiet.pth"

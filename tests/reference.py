@@ -1,9 +1,9 @@
-"""The independent reference: a plain TensorFlow/Keras training loop written from the README's
-contract, sharing no training code with ringtrain.
+"""The independent reference: a plain TensorFlow/Keras training loop written from the documented
+contract (docs/tutorial/why-distribute.md), sharing no training code with ringtrain.
 
 Only the model's element builders and initialiser (`ModelSpec.build`) and the datasets come
 from ringtrain; the batch order, the loss, the gradient, clipping and the optimizer are written
-here from what the README promises:
+here from what the docs promise:
 
 - the order of examples in epoch e is `np.random.default_rng([seed, e]).permutation(n)`;
 - step t takes the next `batch_size` examples of that order; the last partial batch is dropped;
@@ -40,7 +40,7 @@ class ReferenceRun:
 
 
 def global_batches(n_examples: int, batch_size: int, seed: int, steps: int) -> list[np.ndarray]:
-    """Example indices of each step, straight from the README's data-order contract."""
+    """Example indices of each step, straight from the documented data-order contract."""
     per_epoch = n_examples // batch_size
     batches = []
     for step in range(steps):

@@ -5,11 +5,12 @@ numbers depend on the machine and on whatever else runs on it."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import MPIRUN, ROOT, one_line_error, ringtrain, run
+from conftest import BIN, ENV, MPIRUN, ROOT, one_line_error, ringtrain, run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -25,11 +26,30 @@ def test_ring_allreduce_equals_mpi_allreduce(ranks):
     assert result["failures"] == []
 
 
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def figure_sources() -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(RESULTS.iterdir())}
+
+
 def quick_bench(name: str, tmp_path: Path) -> dict:
-    """Run `ringtrain bench NAME --quick`; check what every report holds; return the report."""
-    out, png = tmp_path / "sub" / f"{name}.json", tmp_path / "sub" / f"{name}.png"
-    done = ringtrain("bench", name, "--quick", "--out", str(out), "--png", str(png), timeout=600)
+    """Run `ringtrain bench NAME --quick` in the checkout with no paths, as a developer would;
+    check what every report holds; return the report. A quick run writes to the scratch folder
+    ($TMPDIR/ringtrain-bench) and leaves benchmarks/results, the docs' figures, as they were."""
+    out = tmp_path / "ringtrain-bench" / f"{name}-quick.json"
+    png = out.with_suffix(".png")
+    sources = figure_sources()
+    done = subprocess.run(
+        [str(BIN / "ringtrain"), "bench", name, "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**ENV, "TMPDIR": str(tmp_path)},
+        cwd=ROOT,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
+    assert figure_sources() == sources
     assert png.read_bytes()[:8] == PNG_MAGIC
     report = json.loads(out.read_text())
     assert report["quick"] is True
@@ -231,6 +251,7 @@ def test_bench_allreduce_quick(tmp_path):
         (["pipeline", "--png", "chart.jpg"], "name it *.png"),
         (["allreduce", "--out", "/proc/no/such/out.json"], "cannot create folder"),
         (["allreduce", "--quick", "--bogus"], "unrecognized arguments"),
+        (["pipeline", "--quick", "--out", "benchmarks/results/p.json"], "never writes into"),
     ],
 )
 def test_bad_bench_input_exits_with_one_line(args, needle):

@@ -8,10 +8,11 @@ import pytest
 from conftest import BIN, ENV, ROOT
 
 from ringtrain import quiet, runtime
-from ringtrain.config import TrainConfig, validate
+from ringtrain.config import TrainConfig
 from ringtrain.errors import UserError
 from ringtrain.pipeline import partition
 from ringtrain.pipeline.schedule import build_schedule
+from ringtrain.validation import validate
 
 
 def doctor(env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -105,6 +106,11 @@ def test_learning_rate_scales_by_replicas_after_a_linear_warmup():
     assert learning_rate(scaled, 0.0, 4) == pytest.approx(0.1)
     assert learning_rate(scaled, 1.0, 4) == pytest.approx(0.25)
     assert learning_rate(scaled, 3.0, 4) == pytest.approx(0.4)
+    # Without --scale-lr the warm-up still acts, as Horovod's does: from lr / replicas to lr.
+    warm = TrainConfig(lr=0.1, warmup_epochs=2)
+    assert learning_rate(warm, 0.0, 4) == pytest.approx(0.025)
+    assert learning_rate(warm, 1.0, 4) == pytest.approx(0.0625)
+    assert learning_rate(warm, 2.0, 4) == pytest.approx(0.1)
 
 
 def test_quiet_holds_back_only_absl_notices_below_the_level():

@@ -153,12 +153,12 @@ def test_memory_below_the_data_parallel_footprint_excludes_it_and_the_first_plan
     data = next(p for p in everything if p.candidate.strategy == "data")
     assert everything[0] is data  # the fastest on a free link
     limited = costmodel.plan(cal, 2, 1, 64, memory_per_rank=data.peak_bytes - 1)
-    assert all(not p.fits for p in limited if p.candidate.stages == 1)
+    assert all(not p.fits for p in limited if p.candidate.pp_size == 1)
     assert limited[0].fits and limited[0].candidate.strategy == "pipeline"
 
 
 def test_hybrid_grids_are_candidates_when_the_ranks_allow():
-    found = {(c.replicas, c.stages) for c in costmodel.candidates(4, 4, [2])}
+    found = {(c.dp_size, c.pp_size) for c in costmodel.candidates(4, 4, [2])}
     assert found == {(4, 1), (2, 2), (1, 4)}
     hybrid = costmodel.predict_pipeline(synthetic(), Candidate(2, 2, "1f1b", 2), 2, 64)
     assert hybrid.candidate.flags() == [
@@ -231,9 +231,13 @@ def test_plan_prints_the_table_and_one_command_and_json_gives_the_same(tmp_path)
         (["--memory-per-rank", "0"], {}, "a rank's memory must be above zero"),
         (["--memory-per-rank", "1K"], {}, "nothing fits in 1024 bytes per rank"),
         (["--nodes", "2"], {}, "the calibration has no across-node figures"),
+        (["--optimizer", "adam"], {}, "calibrated with optimizer 'sgd', not 'adam'"),
+        (["--batch-size", "0"], {}, "--batch-size must be at least 1"),
+        (["--model", "resnet"], {}, "unknown model 'resnet'; choose one of mlp"),
     ],
 )
 def test_bad_plan_inputs_say_one_line(tmp_path, flags, changes, needle):
+    flags = flags if "--optimizer" in flags else [*flags, "--optimizer", "sgd"]
     stamp = {**fingerprint(), **{k: v for k, v in changes.items() if k == "cpu_model"}}
     rest = {k: v for k, v in changes.items() if k != "cpu_model"}
     path = _calibration_file(tmp_path, fingerprint=stamp, **rest)

@@ -17,6 +17,7 @@ from ringtrain.pipeline.generators import SCHEDULES
 from ringtrain.pipeline.interpreter import interpret
 from ringtrain.pipeline.ir import (
     Action,
+    Op,
     Schedule,
     parse_action,
     schedule_from_json,
@@ -54,7 +55,7 @@ def every_generated_schedule():
 
 
 def compute_order(schedule: Schedule) -> list[str]:
-    return [" ".join(str(a) for a in row if a.is_compute) for row in schedule.actions]
+    return [" ".join(str(a) for a in row if a.op.is_compute) for row in schedule.actions]
 
 
 def test_every_generated_schedule_up_to_8_stages_and_32_microbatches_is_valid():
@@ -179,8 +180,8 @@ def test_early_sends_keep_every_action_and_run_with_buffered_sends_everywhere():
         early = send_when_made(schedule)
         for row, moved in zip(schedule.actions, early.actions, strict=True):
             assert sorted(map(str, row)) == sorted(map(str, moved))
-            rest = [a for a in row if not a.op.startswith("SEND_")]
-            assert rest == [a for a in moved if not a.op.startswith("SEND_")]
+            rest = [a for a in row if not a.op.is_send]
+            assert rest == [a for a in moved if not a.op.is_send]
         interpret(early.stage_ranks, early.actions, unit_cost(early.stage_ranks), blocking=False)
     rank0 = " ".join(str(a) for a in send_when_made(built("1f1b", 2, 4)[0]).actions[0])
     assert rank0.startswith("0F0 0SA0 0F1 0SA1 0RG0 0B0 0F2 0SA2 0RG1")
@@ -194,7 +195,7 @@ def test_zb_h1_sends_the_gradient_after_bi_and_reduces_after_the_last_bw():
 
 def test_stages_on_one_rank_hand_off_in_memory_without_messages():
     schedule = built("interleaved", 1, 3, 2)[0]
-    assert not any(a.is_message for a in schedule.actions[0])
+    assert not any(a.op.is_message for a in schedule.actions[0])
     assert schedule.actions[0][-3:] == [Action(0, "REDUCE"), Action(0, "STEP"), Action(1, "STEP")]
 
 
@@ -283,6 +284,27 @@ def test_actions_print_and_parse_round_trip():
     for bad in ["F3", "0X1", "0STEP3", "0F", ""]:
         with pytest.raises(ValueError):
             parse_action(bad)
+
+
+def test_ops_are_the_schedule_strings_and_say_what_they_are():
+    """The enum's values are the op names schedules always had, so files and traces keep them."""
+    names = ["F", "B", "BI", "BW", "SEND_ACT", "RECV_ACT", "SEND_GRAD", "RECV_GRAD"]
+    assert [op.value for op in Op] == [*names, "REDUCE", "STEP"]
+    assert Op.RECV_GRAD == "RECV_GRAD" and f"1{Op.SEND_ACT}" == "1SEND_ACT"
+    for op in Op:
+        assert Op.of_code(op.code) is op
+        assert parse_action(str(Action(2, op, None if op.is_per_stage else 5))).op is op
+    kinds = {
+        "is_compute": "F B BI BW",
+        "is_message": "SEND_ACT RECV_ACT SEND_GRAD RECV_GRAD",
+        "is_send": "SEND_ACT SEND_GRAD",
+        "is_recv": "RECV_ACT RECV_GRAD",
+        "is_per_stage": "REDUCE STEP",
+        "makes_input_grad": "B BI",
+        "ends_microbatch": "B BW",
+    }
+    for prop, ops in kinds.items():
+        assert [op for op in Op if getattr(op, prop)] == ops.split(), prop
 
 
 def test_every_kind_round_trips_through_its_json_file(tmp_path):
@@ -522,7 +544,7 @@ def test_calibration_keeps_each_step_and_replica_s_own_action_times():
         ]
         + [[2, ra, 0, 0.0, 0.5, 1, 3], [1, ra, 0, 0.0, 2.0, 1, 1]]
     )
-    assert step_actions(rows, [1, 2], pipeline_ranks=2) == [
+    assert step_actions(rows, [1, 2], pp_size=2) == [
         {Action(0, "F", 0): 1.0, Action(1, "RECV_ACT", 0): 0.5},
         {Action(0, "F", 0): 1.1},
         {Action(0, "F", 0): 2.0},
@@ -535,7 +557,7 @@ def test_a_prediction_from_steps_is_the_replay_with_the_median_makespan():
     and 2 seconds replay to 4, 12 and 8: the prediction is the 8, with that replay's timeline.
     A step without one of the schedule's computations is refused."""
     one = built("1f1b", 2, 1)[0]
-    compute = [a for row in one.actions for a in row if a.is_compute]
+    compute = [a for row in one.actions for a in row if a.op.is_compute]
     steps = [{a: float(k) for a in compute} for k in (1, 3, 2)]
     result = predict_from_steps(one, steps)
     assert result.makespan == 8.0

@@ -23,17 +23,9 @@ import time
 from pathlib import Path
 from statistics import median
 
-from ringtrain.bench.common import (
-    UNBOUND,
-    RunFailed,
-    deadline,
-    mpi_env,
-    mpirun_command,
-    pinning,
-    run_bounded,
-    spread,
-    summarise_contenders,
-)
+from ringtrain.bench.common import UNBOUND, deadline, pinning, spread, summarise_contenders
+from ringtrain.bounded import RunFailed, run_bounded
+from ringtrain.launch.mpirun import mpi_env, mpirun_command
 
 KiB, MiB = 1024, 1024 * 1024
 SIZES = [4 * KiB * 4**k for k in range(8)]  # 4 KiB .. 64 MiB

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -33,8 +32,7 @@ from ringtrain.bench.common import (
     settings_in_force,
 )
 from ringtrain.bench.ring import ring_allreduce
-
-Collective = Callable[[], object]  # one call; returns the reduced array (or tensor)
+from ringtrain.timing import Collective, horovod_sum, slowest_rank_seconds
 
 
 def iterations(nbytes: int, budget: int, max_iters: int) -> int:
@@ -58,19 +56,6 @@ def last_level_cache_bytes() -> int:
     return max(sizes, default=0)
 
 
-def slowest_rank_seconds(comm, op: Collective, iters: int) -> float:
-    from mpi4py import MPI
-
-    op()  # first touch of the pages, Horovod's first negotiation
-    comm.Barrier()
-    start = time.perf_counter()
-    for _ in range(iters):
-        op()
-    mine = np.array([(time.perf_counter() - start) / iters])
-    comm.Allreduce(MPI.IN_PLACE, mine, op=MPI.MAX)
-    return float(mine[0])
-
-
 def _memcpy_seconds(comm, nbytes: int, iters: int) -> float | None:
     """np.copyto on rank 0 while the others sleep: one core's memory bandwidth."""
     seconds = None
@@ -84,15 +69,6 @@ def _memcpy_seconds(comm, nbytes: int, iters: int) -> float | None:
         seconds = (time.perf_counter() - start) / iters
     idle_barrier(comm)
     return seconds
-
-
-def horovod_sum(comm, array: np.ndarray) -> Collective:
-    """Called from Python on a tensor Python holds: Horovod reduces it out of place."""
-    import horovod.tensorflow as hvd
-    import tensorflow as tf
-
-    tensor = tf.constant(array)
-    return lambda: hvd.allreduce(tensor, op=hvd.Sum)
 
 
 def horovod_in_step(comm, array: np.ndarray) -> Collective:

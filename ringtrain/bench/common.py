@@ -1,8 +1,9 @@
-"""What every `ringtrain bench` shares: the subcommands, bounded launches, facts, round maths.
+"""What every `ringtrain bench` shares: the subcommands, long-lived drivers, facts, round maths.
 
-Parent side: the `bench` subparser and its dispatch, mpirun commands with the root and thread
-environment, subprocesses that cannot outlive their deadline, machine facts and versions, and
-the summaries of alternating rounds (medians, ranges, ratios matched round by round).
+Parent side: the `bench` subparser and its dispatch, the drivers that answer one protocol line
+per command, the CPU time a hypervisor stole meanwhile, and the summaries of alternating rounds
+(medians, ranges, ratios matched round by round). Bounded launches, mpirun's commands and the
+machine's facts are the product's own (bounded, launch.mpirun, machine): calibration uses them too.
 Rank side: waits that sleep instead of spinning, Horovod switched on only while measured, the
 one-line JSON protocol of the long-lived benchmark drivers, and what each process may run on
 (its Cpus_allowed_list) and the settings in force, recorded as proof of how it was pinned.
@@ -14,15 +15,13 @@ import argparse
 import importlib
 import json
 import os
-import platform
-import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, suppress
-from importlib import metadata
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from queue import Empty, Queue
 from statistics import median
@@ -30,11 +29,13 @@ from statistics import median
 import numpy as np
 
 from ringtrain import log
+from ringtrain.bounded import RunFailed, last_words, start_session
 from ringtrain.errors import ProblemsFound, UserError
+from ringtrain.launch.mpirun import binding_flags
+from ringtrain.machine import machine_facts
+from ringtrain.proc import processes
 
 RESULTS = Path("benchmarks/results")
-ROOT_OK = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-QUIET = {"TF_CPP_MIN_LOG_LEVEL": "3"}
 # name -> (module with measure/draw/describe, help line, rounds in full mode)
 BENCHES = {
     "pipeline": (
@@ -66,10 +67,6 @@ BENCHES = {
 PROTOCOL = "@bench "  # marks driver replies among whatever else a rank prints on stdout
 
 
-class RunFailed(Exception):
-    """A benchmark process failed or missed its deadline; the message says which and why."""
-
-
 # ---- the `ringtrain bench` command ---------------------------------------------------------
 
 
@@ -92,18 +89,40 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument(
             "--rounds", type=_rounds, help=f"alternation rounds (default {full_rounds}, quick 3)"
         )
-        p.add_argument("--out", default=str(RESULTS / f"{name}.json"), help="raw and summary JSON")
-        p.add_argument("--png", default=str(RESULTS / f"{name}.png"), help="the chart")
+        p.add_argument(
+            "--out",
+            help=f"raw and summary JSON (default {RESULTS}/{name}.json; quick: a scratch file)",
+        )
+        p.add_argument("--png", help=f"the chart (default {RESULTS}/{name}.png; quick: scratch)")
         p.set_defaults(prog=p.prog)
         more = getattr(importlib.import_module(module), "add_arguments", None)
         if more is not None:  # a bench's own flags
             more(p)
 
 
+def _default_outputs(args: argparse.Namespace) -> None:
+    """A full run writes the figures' sources in benchmarks/results; a quick run is a smoke
+    test whose figures must never reach the docs, so it writes to a scratch folder unless
+    given paths, and never into benchmarks/results."""
+    if args.quick:
+        scratch = Path(tempfile.gettempdir()) / "ringtrain-bench"
+        args.out = args.out or str(scratch / f"{args.bench}-quick.json")
+        args.png = args.png or str(scratch / f"{args.bench}-quick.png")
+        for flag, path in (("--out", args.out), ("--png", args.png)):
+            if Path(path).resolve().parent == RESULTS.resolve():
+                raise UserError(
+                    f"{flag} {path}: a --quick run never writes into {RESULTS}, where the "
+                    "docs' figures come from; give another path or drop --quick"
+                )
+    args.out = args.out or str(RESULTS / f"{args.bench}.json")
+    args.png = args.png or str(RESULTS / f"{args.bench}.png")
+
+
 def _prepare_outputs(args: argparse.Namespace) -> None:
     """Bad output paths fail before minutes of measuring, not after."""
     from ringtrain.config import check_png, check_writable
 
+    _default_outputs(args)
     for flag, path in (("--out", args.out), ("--png", args.png)):
         folder = Path(path).resolve().parent
         try:
@@ -143,24 +162,7 @@ def write_json(path: str, data: dict) -> None:
     os.replace(partial, path)
 
 
-# ---- machine facts ------------------------------------------------------------------------
-
-
-def _version(*distributions: str) -> str | None:
-    for name in distributions:
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-def _cpu_model() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor()
-    return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "")
+# ---- stolen CPU time ----------------------------------------------------------------------
 
 
 def cpu_ticks() -> tuple[int, int]:
@@ -180,30 +182,7 @@ def steal_fraction(before: tuple[int, int], after: tuple[int, int]) -> float | N
     return (after[0] - before[0]) / total if total > 0 else None
 
 
-def machine_facts() -> dict:
-    """What the numbers depend on; read without importing TensorFlow or starting MPI."""
-    try:
-        mpi = subprocess.run(
-            ["mpirun", "--version"], capture_output=True, text=True, timeout=30
-        ).stdout.splitlines()[0]
-    except (OSError, IndexError, subprocess.TimeoutExpired):
-        mpi = None
-    return {
-        "cpus": os.cpu_count(),
-        "machine": platform.machine(),
-        "cpu_model": _cpu_model(),
-        "os": platform.platform(),
-        "python": platform.python_version(),
-        "tensorflow": _version("tensorflow-cpu", "tensorflow"),
-        "keras": _version("keras"),
-        "numpy": _version("numpy"),
-        "mpi4py": _version("mpi4py"),
-        "horovod": _version("horovod"),
-        "mpi": mpi,
-    }
-
-
-# ---- bounded processes --------------------------------------------------------------------
+# ---- deadlines, pinning and drivers -------------------------------------------------------
 
 
 def deadline(quick: bool) -> float:
@@ -211,60 +190,6 @@ def deadline(quick: bool) -> float:
     minute and full ones under 20 on a quiet machine; the slack is for a machine shared with
     other jobs, which can slow start-up (TensorFlow in up to 11 processes) severalfold."""
     return 420.0 if quick else 2400.0
-
-
-def mpi_env(threads: int | None = None) -> dict[str, str]:
-    """Open MPI as root, TensorFlow quiet, RINGTRAIN_NETWORK (if set) as Open MPI's and
-    Horovod's interface choice, and every rank's pools `threads` wide (None: the caller's
-    RINGTRAIN_THREADS if any, else ringtrain's own rule, as `mpirun ringtrain train` gets)."""
-    from ringtrain.launch.network import launcher_environment
-
-    chosen = {} if threads is None else {"RINGTRAIN_THREADS": str(threads)}
-    return {**os.environ, **ROOT_OK, **QUIET, **launcher_environment(), **chosen}
-
-
-def mpirun_command(
-    ranks: int,
-    module: str,
-    *args: str,
-    binding: str | None = None,
-    placement: Sequence[str] = (),
-    forward_threads: bool = True,
-) -> list[str]:
-    """`mpirun` running a Python module in every rank (oversubscription allowed: the benches
-    run more ranks than cores on purpose, and say so). binding, if given, is `--bind-to`'s
-    value; without it Open MPI binds as it likes (to a core each for up to 2 ranks).
-    placement: host flags (`host_flags`). forward_threads passes RINGTRAIN_THREADS to every
-    rank, remote ones too; leave it off where the variable may be unset (-x warns then)."""
-    return [
-        "mpirun",
-        "--oversubscribe",
-        *(binding_flags(binding) if binding else []),
-        *placement,
-        "-np",
-        str(ranks),
-        *(["-x", "RINGTRAIN_THREADS"] if forward_threads else []),
-        sys.executable,
-        "-m",
-        module,
-        *args,
-    ]
-
-
-def host_flags(hosts: str | None) -> list[str]:
-    """mpirun flags placing the two ranks on two hosts (`--hosts a,b`), unbound: a rehearsal
-    node's cores are its own."""
-    if not hosts:
-        return []
-    names = hosts.split(",")
-    if len(names) != 2 or not all(names):
-        raise argparse.ArgumentTypeError(f"--hosts wants two hosts like a,b, got {hosts!r}")
-    return ["--bind-to", "none", "-H", ",".join(f"{h}:1" for h in names)]
-
-
-def binding_flags(binding: str) -> list[str]:
-    """The mpirun flags for a `--bind-to` value, also recorded in the benches' JSON."""
-    return ["--bind-to", binding]
 
 
 UNBOUND = "none"  # the `--bind-to` value of the strategies and allreduce benches
@@ -280,75 +205,10 @@ def pinning() -> dict:
     }
 
 
-def _processes() -> dict[int, tuple[int, float]]:
-    """pid -> (session id, CPU seconds used) for every process, from /proc (Linux; elsewhere
-    nothing is found, so only the session leaders are ended and no CPU is counted)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    found: dict[int, tuple[int, float]] = {}
-    proc = Path("/proc")
-    for entry in proc.iterdir() if proc.is_dir() else []:
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:  # ended while we looked
-            continue
-        found[int(entry.name)] = (int(fields[3]), (int(fields[11]) + int(fields[12])) / tick)
-    return found
-
-
 def session_cpu_seconds(leaders: list[int]) -> float:
     """CPU time used so far by the sessions these processes lead (mpirun's ranks included)."""
     wanted = set(leaders)
-    return sum(cpu for sid, cpu in _processes().values() if sid in wanted)
-
-
-def start_session(cmd: list[str], env: dict[str, str], **popen) -> subprocess.Popen:
-    """A child that leads its own session, so it and everything it starts can be ended."""
-    return subprocess.Popen(cmd, env=env, start_new_session=True, **popen)
-
-
-def end_session(process: subprocess.Popen, grace: float = 5.0) -> None:
-    """SIGTERM (mpirun passes it to its ranks), then SIGKILL whatever of the session is left."""
-    if process.poll() is None:
-        with suppress(ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(process.pid, signal.SIGTERM)
-            process.wait(timeout=grace)
-    for pid, (sid, _) in _processes().items():
-        if sid == process.pid:
-            with suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-    process.wait()
-
-
-def last_words(log: Path) -> str:
-    """The last line a failed process wrote that is not TensorFlow's start-up chatter."""
-    noise = ("WARNING: All log messages", "I0000 ", "To enable the following")
-    try:
-        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines()]
-    except OSError:
-        return "no output"
-    said = [ln for ln in lines if ln and not ln.startswith(noise)]
-    return said[-1][:300] if said else "no output"
-
-
-def run_bounded(
-    cmd: list[str], env: dict[str, str], timeout: float, log: Path, quiet: bool = False
-) -> None:
-    """Run to completion within timeout seconds, stderr (and, if quiet, stdout) to log;
-    RunFailed otherwise."""
-    with open(log, "w") as err:
-        process = start_session(cmd, env, stderr=err, **({"stdout": err} if quiet else {}))
-        try:
-            code = process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            end_session(process)
-            raise RunFailed(f"{Path(cmd[0]).name} did not finish within {timeout:.0f} s") from None
-        except BaseException:
-            end_session(process)
-            raise
-    if code != 0:
-        raise RunFailed(f"the benchmark ranks failed (exit {code}): {last_words(log)}")
+    return sum(cpu for sid, cpu in processes().values() if sid in wanted)
 
 
 class Process:

@@ -25,17 +25,9 @@ from contextlib import suppress
 from pathlib import Path
 from statistics import median
 
-from ringtrain.bench.common import (
-    Process,
-    RunFailed,
-    deadline,
-    end_session,
-    host_flags,
-    mpi_env,
-    mpirun_command,
-    round_ratios,
-    summarise_contenders,
-)
+from ringtrain.bench.common import Process, deadline, round_ratios, summarise_contenders
+from ringtrain.bounded import RunFailed, end_session
+from ringtrain.launch.mpirun import host_flags, mpi_env, mpirun_command
 from ringtrain.pipeline.schedule import build_schedule
 from ringtrain.pipeline.simulate import simulate
 

@@ -19,7 +19,8 @@ from pathlib import Path
 from statistics import median
 
 from ringtrain import log
-from ringtrain.bench.common import host_flags, mpi_env, run_bounded
+from ringtrain.bounded import run_bounded
+from ringtrain.launch.mpirun import host_flags, mpi_env
 from ringtrain.plan.cli import calibrate, load_calibration, two_ranks
 from ringtrain.plan.costmodel import plan
 
@@ -89,7 +90,9 @@ def _round(
     path = str(folder / f"{model}-{index}.json")
     log.info(f"{model} round {index + 1}/{args.rounds}: calibrating ...")
     doc = calibrate(model, DATASET, OPTIMIZER, args.batch_size, args.hosts, path)
-    table = plan(load_calibration(path, model, DATASET), nodes, per_node, args.batch_size)
+    table = plan(
+        load_calibration(path, model, DATASET, OPTIMIZER), nodes, per_node, args.batch_size
+    )
     base = ["--model", model, "--dataset", DATASET, "--optimizer", OPTIMIZER]
     base += ["--batch-size", str(args.batch_size)]
     measured = {}

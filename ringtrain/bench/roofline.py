@@ -21,18 +21,10 @@ from pathlib import Path
 from statistics import median
 from typing import TYPE_CHECKING
 
-from ringtrain.bench.common import (
-    RunFailed,
-    Turns,
-    deadline,
-    end_session,
-    host_flags,
-    last_words,
-    mpi_env,
-    mpirun_command,
-    start_session,
-)
+from ringtrain.bench.common import Turns, deadline
 from ringtrain.bench.strategies import free_ports
+from ringtrain.bounded import RunFailed, end_session, last_words, start_session
+from ringtrain.launch.mpirun import host_flags, mpi_env, mpirun_command
 from ringtrain.plan.costmodel import roofline
 
 if TYPE_CHECKING:

@@ -31,13 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from ringtrain import log, runtime
-from ringtrain.bench.allreduce_worker import (
-    mpi_in_place,
-    mpi_out_of_place,
-    payload,
-    self_check,
-    slowest_rank_seconds,
-)
+from ringtrain.bench.allreduce_worker import mpi_in_place, mpi_out_of_place, payload, self_check
 from ringtrain.bench.common import (
     Turns,
     batch_stream,
@@ -49,18 +43,10 @@ from ringtrain.bench.common import (
 from ringtrain.bench.roofline import BUCKET_MB, CONTENDERS, LAUNCH, WORKLOADS, Workload
 from ringtrain.config import TrainConfig
 from ringtrain.data import Dataset, load_synthetic, shard
+from ringtrain.timing import slowest_rank_seconds, timed_steps
 from ringtrain.weights import variable_bytes
 
 SEED, LR = 0, 0.01
-
-
-def timed_steps(step, batches: np.ndarray) -> float:
-    """ms per step over `batches`, after one untimed step."""
-    step(batches[0])
-    start = time.perf_counter()
-    for batch in batches[1:]:
-        step(batch)
-    return 1e3 * (time.perf_counter() - start) / (len(batches) - 1)
 
 
 def ringtrain_loop(engine, data: Dataset, cfg: TrainConfig, world) -> tuple[float, dict]:

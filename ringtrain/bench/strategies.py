@@ -33,20 +33,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ringtrain.bench.common import (
-    QUIET,
     UNBOUND,
     Process,
-    RunFailed,
     deadline,
-    end_session,
-    mpi_env,
-    mpirun_command,
     pinning,
     round_ratios,
     session_cpu_seconds,
     spread,
     summarise_contenders,
 )
+from ringtrain.bounded import RunFailed, end_session
+from ringtrain.launch.mpirun import QUIET, mpi_env, mpirun_command
 
 if TYPE_CHECKING:
     from ringtrain.data import Dataset

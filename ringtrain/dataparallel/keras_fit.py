@@ -73,13 +73,13 @@ class MetricAverage(keras.callbacks.Callback):
 class LearningRateWarmup(keras.callbacks.Callback):
     """Sets the LR before each batch from ringtrain's shared rule (scale and warm-up)."""
 
-    def __init__(self, cfg: TrainConfig, replicas: int, steps_per_epoch: int, first_step: int = 0):
+    def __init__(self, cfg: TrainConfig, dp_size: int, steps_per_epoch: int, first_step: int = 0):
         super().__init__()
-        self.cfg, self.replicas, self.per_epoch = cfg, replicas, steps_per_epoch
+        self.cfg, self.dp_size, self.per_epoch = cfg, dp_size, steps_per_epoch
         self.step = first_step
 
     def on_train_batch_begin(self, batch, logs=None):
-        lr = learning_rate(self.cfg, self.step / self.per_epoch, self.replicas)
+        lr = learning_rate(self.cfg, self.step / self.per_epoch, self.dp_size)
         self.model.optimizer.learning_rate.assign(lr)
         self.step += 1
 

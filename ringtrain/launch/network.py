@@ -24,14 +24,9 @@ import sys
 from collections.abc import Mapping
 
 from ringtrain.errors import EXIT_USAGE, UserError
+from ringtrain.launch.keepalive import KEEPALIVE
 
 ENV_VAR = "RINGTRAIN_NETWORK"
-# Open MPI's out-of-band keepalive: first probe after 5 s idle, every 2 s, 3 misses end it.
-KEEPALIVE = {
-    "oob_tcp_keepalive_time": "5",
-    "oob_tcp_keepalive_intvl": "2",
-    "oob_tcp_keepalive_probes": "3",
-}
 _SIOCGIFADDR = 0x8915
 
 

@@ -24,10 +24,9 @@ from statistics import median
 import numpy as np
 
 from ringtrain.pipeline.costs import FREE_LINK, LinkModel
-from ringtrain.pipeline.ir import CODES, Action
+from ringtrain.pipeline.ir import Action, Op
 from ringtrain.pipeline.trace import END, MB, OP, OPS, RANK, STAGE, START, STEP
 
-OP_NAMES = {code: op for op, code in CODES.items()}  # the trace's codes, the IR's op names
 CALIBRATION_STEPS = 3  # after the first, which traces the graphs
 ROUNDS = 5  # timed exchanges per size, after one that sets the connection up
 WINDOW = 8  # messages streamed back to back to time a rate
@@ -51,7 +50,9 @@ def _durations(rows: np.ndarray, steps: Collection[int]) -> list[tuple[int, Acti
         (
             int(row[STEP]),
             Action(
-                int(row[STAGE]), OP_NAMES[OPS[int(row[OP])]], None if row[MB] < 0 else int(row[MB])
+                int(row[STAGE]),
+                Op.of_code(OPS[int(row[OP])]),
+                None if row[MB] < 0 else int(row[MB]),
             ),
             float(row[END] - row[START]),
         )
@@ -64,42 +65,41 @@ def _host_work(timed: list[tuple[int, Action, float]]) -> float:
     there. Its waits are what the simulator works out. (A stage's own least is no such thing
     where every one of its receives waits, as the last stage's do across a slow link, and its
     wait would be counted twice.)"""
-    return min((t for _, a, t in timed if a.op.startswith("RECV")), default=0.0)
+    return min((t for _, a, t in timed if a.op.is_recv), default=0.0)
 
 
-def stage_seconds(rows: np.ndarray, steps: Collection[int]) -> dict[tuple[int, str], float]:
+def stage_seconds(rows: np.ndarray, steps: Collection[int]) -> dict[tuple[int, Op], float]:
     """Seconds of each (stage, op) over the given steps of a gathered trace: the median of
     every action, except a receive's, which gets only host work (`_host_work`)."""
     timed = _durations(rows, steps)
     host_work = _host_work(timed)
-    durations: dict[tuple[int, str], list[float]] = {}
+    durations: dict[tuple[int, Op], list[float]] = {}
     for _, a, t in timed:
         durations.setdefault((a.stage, a.op), []).append(t)
     return {
-        key: host_work if key[1].startswith("RECV") else median(values)
-        for key, values in durations.items()
+        key: host_work if key[1].is_recv else median(values) for key, values in durations.items()
     }
 
 
 def step_actions(
-    rows: np.ndarray, steps: Collection[int], pipeline_ranks: int
+    rows: np.ndarray, steps: Collection[int], pp_size: int
 ) -> list[dict[Action, float]]:
     """Each action's own seconds, one mapping per step and replica (ranks of one replica are
-    `pipeline_ranks` consecutive ranks); receives get host work only, as in `stage_seconds`."""
+    `pp_size` consecutive ranks); receives get host work only, as in `stage_seconds`."""
     chosen = rows[np.isin(rows[:, STEP], list(steps))]
     host_work = _host_work(_durations(chosen, steps))
-    replica = chosen[:, RANK] // pipeline_ranks
+    dp_rank = chosen[:, RANK] // pp_size
     replays = []
     for step, which in sorted(
-        {(int(s), int(r)) for s, r in zip(chosen[:, STEP], replica, strict=True)}
+        {(int(s), int(r)) for s, r in zip(chosen[:, STEP], dp_rank, strict=True)}
     ):
-        own = chosen[(chosen[:, STEP] == step) & (replica == which)]
+        own = chosen[(chosen[:, STEP] == step) & (dp_rank == which)]
         timed = _durations(own, [step])
-        replays.append({a: host_work if a.op.startswith("RECV") else t for _, a, t in timed})
+        replays.append({a: host_work if a.op.is_recv else t for _, a, t in timed})
     return replays
 
 
-def measure_link(link, position: int, sizes: Collection[int], tag: int) -> LinkModel:
+def measure_link(link, pp_rank: int, sizes: Collection[int], tag: int) -> LinkModel:
     """Pipeline ranks 0 and 1 time the link and both get rank 0's fit; the others, and a
     pipeline of one rank, get a free link. Both ranks must call.
 
@@ -110,16 +110,16 @@ def measure_link(link, position: int, sizes: Collection[int], tag: int) -> LinkM
     bucket lets one burst through at several times its rate (48 MB/s on a 25 MB/s cap here).
     So the largest size is also timed alone, after the link has rested for two of its
     messages at the rate, and what that message did not pay for is the link's burst."""
-    if position > 1 or link.comm.Get_size() < 2:
+    if pp_rank > 1 or link.comm.Get_size() < 2:
         return FREE_LINK
-    peer = 1 - position
+    peer = 1 - pp_rank
     smallest, *larger = sorted(sizes)
     ack = np.zeros(max(smallest, 1), np.uint8)
     what = "a calibration message"
 
     def exchange(buf: np.ndarray, count: int) -> float:
         start = time.perf_counter()
-        if position == 0:
+        if pp_rank == 0:
             for _ in range(count):
                 link.send_buffer(buf, peer, tag, what)
             link.flush()
@@ -133,7 +133,7 @@ def measure_link(link, position: int, sizes: Collection[int], tag: int) -> LinkM
 
     def timed(buf: np.ndarray, count: int, rest: float = 0.0) -> float:
         def after_rest() -> float:
-            if position == 0:
+            if pp_rank == 0:
                 time.sleep(rest)
             return exchange(buf, count)
 
@@ -150,7 +150,7 @@ def measure_link(link, position: int, sizes: Collection[int], tag: int) -> LinkM
     # a window on shared memory can time below the ping-pong's latency: no rest then
     lone = timed(np.zeros(largest, np.uint8), 1, rest=max(2 * window / WINDOW, 0.0)) - latency
     figures = np.array([*(value for sample in samples for value in sample), lone], np.float64)
-    if position == 0:
+    if pp_rank == 0:
         link.send_buffer(figures, peer, tag, what)
         link.flush()
     else:

@@ -158,7 +158,7 @@ def _replay(
     boundary_bytes: Sequence[int] | None,
 ) -> SimResult:
     missing = [
-        str(a) for row in schedule.actions for a in row if a.is_compute and measured(a) is None
+        str(a) for row in schedule.actions for a in row if a.op.is_compute and measured(a) is None
     ]
     if missing:
         raise ValueError(f"no measured time for {missing[0]}")

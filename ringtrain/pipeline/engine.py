@@ -23,13 +23,7 @@ import numpy as np
 from ringtrain import log
 from ringtrain.checkpoint import Checkpointable, stored_partition
 from ringtrain.comm import Link, PostedReceive
-from ringtrain.config import (
-    TrainConfig,
-    message_tag,
-    partition_method,
-    pipeline_schedule,
-    pipeline_stages,
-)
+from ringtrain.config import TrainConfig, partition_method, pp_size_of
 from ringtrain.data import Dataset, shard
 from ringtrain.dataparallel.collectives import average_gradients
 from ringtrain.evaluate import count_accuracy
@@ -45,9 +39,11 @@ from ringtrain.pipeline.calibrate import (
 )
 from ringtrain.pipeline.costs import FREE_LINK, predict_from_steps
 from ringtrain.pipeline.grid import Grid
-from ringtrain.pipeline.ir import COMPUTE, Action, Tensor, carries, consumes, produces
+from ringtrain.pipeline.ir import COMPUTE, Action, Op, Tensor, carries, consumes, produces
 from ringtrain.pipeline.lower import send_when_made
+from ringtrain.pipeline.schedule import pipeline_schedule
 from ringtrain.pipeline.simulate import SimResult, simulate
+from ringtrain.pipeline.tags import message_tag
 from ringtrain.pipeline.trace import (
     Trace,
     measured_bubble,
@@ -60,7 +56,7 @@ from ringtrain.runtime import World
 from ringtrain.tensorflow_loader import tf
 from ringtrain.weights import replica_checksums
 
-LOSS, WEIGHTS = 0, 1  # tags on the world communicator; pipeline tags are config.message_tag's
+LOSS, WEIGHTS = 0, 1  # tags on the world communicator; pipeline tags are tags.message_tag's
 KINDS = {"ACT": 0, "GRAD": 1}
 SLOTS = 2  # receive buffers per kind and sending stage: one being waited on, one posted ahead
 
@@ -68,8 +64,8 @@ SLOTS = 2  # receive buffers per kind and sending stage: one being waited on, on
 class Stage:
     """One of the model's stages held by this rank: its elements and compiled functions."""
 
-    def __init__(self, index: int, stages: int, elements: list, microbatches: int):
-        self.index, self.first, self.last = index, index == 0, index == stages - 1
+    def __init__(self, index: int, n_stages: int, elements: list, microbatches: int):
+        self.index, self.first, self.last = index, index == 0, index == n_stages - 1
         self.elements, self.microbatches = elements, microbatches
         self.variables = trainable_variables(elements)
         self.grads: list | None = None  # the step's sum so far: no zeros to add the first to
@@ -167,67 +163,64 @@ class PipelineEngine(Checkpointable):
 
     def __init__(self, spec: ModelSpec, data: Dataset, cfg: TrainConfig, world: World):
         self.data, self.cfg, self.world = data, cfg, world
-        self.grid = Grid(world.size, pipeline_stages(cfg, world.size))
-        self.ranks, self.replicas = self.grid.stages, self.grid.replicas
-        self.position, self.replica = (
-            self.grid.stage_of(world.rank),
-            self.grid.replica_of(world.rank),
-        )
-        self.schedule = pipeline_schedule(cfg, self.ranks)
+        self.grid = Grid(world.size, pp_size_of(cfg, world.size))
+        self.pp_size, self.dp_size = self.grid.pp_size, self.grid.dp_size
+        self.pp_rank, self.dp_rank = self.grid.pp_rank(world.rank), self.grid.dp_rank(world.rank)
+        self.schedule = pipeline_schedule(cfg, self.pp_size)
         if not cfg.sync_sends:  # an Isend never blocks: each goes out as soon as it is made
             self.schedule = send_when_made(self.schedule)
-        self.stage_count = self.schedule.stages
-        self.pipe = world.comm.Split(color=self.replica, key=self.position)
+        self.n_stages = self.schedule.n_stages
+        self.pipe = world.comm.Split(color=self.dp_rank, key=self.pp_rank)
         self.link = Link(
             self.pipe,
             cfg.comm_timeout,
             cfg.sync_sends,
-            name=lambda p: self._who(self.grid.pipeline_ranks(self.replica)[p]),
+            name=lambda p: self._who(self.grid.pipeline_ranks(self.dp_rank)[p]),
             min_rate=cfg.min_link_rate,
         )
         self.world_link = Link(
             world.comm, cfg.comm_timeout, name=self._who, min_rate=cfg.min_link_rate
         )
-        self.stage_set = world.process_sets[self.position] if world.process_sets else None
+        self.stage_set = world.process_sets[self.pp_rank] if world.process_sets else None
         if cfg.strategy == "hybrid":
             log.info(self.grid.describe())
 
-        self.mb_size = cfg.batch_size // self.replicas // cfg.microbatches
+        self.mb_size = cfg.batch_size // self.dp_size // cfg.microbatches
         self.shapes = spec.shapes()
-        self.element_seconds: list[dict[str, float]] = []  # rank 0, time partition: per element
+        self.element_seconds: list[dict[Op, float]] = []  # rank 0, time partition: per element
         self.bounds = self._partition(spec)
-        self.stages = {
+        self.local_stages = {  # the stages this rank holds, by index
             s: Stage(
-                s, self.stage_count, spec.build(range(*self.bounds[s]), cfg.seed), cfg.microbatches
+                s, self.n_stages, spec.build(range(*self.bounds[s]), cfg.seed), cfg.microbatches
             )
-            for s in self.schedule.stages_on(self.position)
+            for s in self.schedule.stages_on(self.pp_rank)
         }
-        self.variables = [v for stage in self.stages.values() for v in stage.variables]
+        self.variables = [v for stage in self.local_stages.values() for v in stage.variables]
         self.optimizer = make_optimizer(cfg)
         self.optimizer.build(self.variables)
         self._lr = LearningRate(self.optimizer)
         self._apply = tf.function(self._apply_gradients)
 
-        self.actions = self.schedule.actions[self.position]
+        self.actions = self.schedule.actions[self.pp_rank]
         self.predicted = simulate(self.schedule)
         # Bytes of stage s's output per microbatch (its gradient is as big): the boundaries.
         self.boundary_bytes = [
-            self._tensor_bytes(Tensor("ACT", s, 0)) for s in range(self.stage_count - 1)
+            self._tensor_bytes(Tensor("ACT", s, 0)) for s in range(self.n_stages - 1)
         ]
-        receives = [carries(a) for a in self.actions if a.op.startswith("RECV")]
+        receives = [carries(a) for a in self.actions if a.op.is_recv]
         self.inbox = Inbox(self.link, receives, self._tensor_shape, self._peer, self._tag)
         self.microbatch_bytes = self.inbox.step_bytes // cfg.microbatches
         self.dispatch = {
-            "F": self._forward,
-            "B": self._backward,
-            "BI": self._backward_input,
-            "BW": self._backward_weight,
-            "SEND_ACT": self._send,
-            "RECV_ACT": self._receive,
-            "SEND_GRAD": self._send,
-            "RECV_GRAD": self._receive,
-            "REDUCE": self._reduce,
-            "STEP": self._step_optimizer,
+            Op.F: self._forward,
+            Op.B: self._backward,
+            Op.BI: self._backward_input,
+            Op.BW: self._backward_weight,
+            Op.SEND_ACT: self._send,
+            Op.RECV_ACT: self._receive,
+            Op.SEND_GRAD: self._send,
+            Op.RECV_GRAD: self._receive,
+            Op.REDUCE: self._reduce,
+            Op.STEP: self._step_optimizer,
         }
         self.trace, self.step_index, self.peak_inflight = Trace(), 0, 0
         self.ticker = progress_ticker(self.pipe, cfg.mpi_progress)
@@ -239,12 +232,12 @@ class PipelineEngine(Checkpointable):
     def calibrate_link(self) -> None:
         """Time messages between the first two pipeline ranks (collective in the pipeline)."""
         sizes = (8, max(self.boundary_bytes, default=8))
-        tag = message_tag(self.stage_count, self.cfg.microbatches, self.stage_count)  # above all
-        self.link_model = measure_link(self.link, self.position, sizes, tag)
+        tag = message_tag(self.n_stages, self.cfg.microbatches, self.n_stages)  # above all
+        self.link_model = measure_link(self.link, self.pp_rank, sizes, tag)
 
     def _who(self, rank: int) -> str:
         """How errors name a peer: its stages, and its rank for finding the process."""
-        held = self.schedule.stages_on(self.grid.stage_of(rank))
+        held = self.schedule.stages_on(self.grid.pp_rank(rank))
         label = "stage" if len(held) == 1 else "stages"
         return f"{label} {'+'.join(map(str, held))} (rank {rank})"
 
@@ -258,38 +251,39 @@ class PipelineEngine(Checkpointable):
 
     def _peer(self, t: Tensor) -> int:
         """The pipeline rank at the other end of `t`'s message, seen from this rank."""
-        ranks = self.schedule.stage_ranks
-        return ranks[t.consumer] if ranks[t.stage] == self.position else ranks[t.stage]
+        stage_ranks = self.schedule.stage_ranks
+        if stage_ranks[t.stage] == self.pp_rank:
+            return stage_ranks[t.consumer]
+        return stage_ranks[t.stage]
 
     def _tag(self, t: Tensor) -> int:
         return message_tag(t.stage, self.cfg.microbatches, t.mb, KINDS[t.kind])
 
     def _partition(self, spec: ModelSpec) -> list[tuple[int, int]]:
         """The checkpoint's split when resuming (the parts hold its stages), else a fresh one."""
-        stages = self.stage_count
         if self.cfg.resume and self.cfg.checkpoint_dir:
             wait = Link(self.world.comm, self.cfg.comm_timeout).wait
             stored = agree(
                 self.world.comm,
                 wait,
-                lambda: stored_partition(self.cfg.checkpoint_dir, stages, len(spec)),
+                lambda: stored_partition(self.cfg.checkpoint_dir, self.n_stages, len(spec)),
             )
             if stored is not None:
                 log.info(f"partition (from the checkpoint): {partition.describe(stored)}")
                 return stored
-        method = partition_method(self.cfg, len(spec), stages)
+        method = partition_method(self.cfg, len(spec), self.n_stages)
         if method == "uniform":
-            bounds, costs = partition.uniform(len(spec), stages), None
+            bounds, costs = partition.uniform(len(spec), self.n_stages), None
         elif method == "params":
             costs = self._element_params(spec)
-            bounds = partition.balanced(costs, stages)
+            bounds = partition.balanced(costs, self.n_stages)
         else:
             seconds = self._element_seconds(spec)
-            costs = [e["F"] + e["B"] for e in seconds]
-            if len(set(self.schedule.stage_ranks)) < stages:  # a rank holds several stages
+            costs = [e[Op.F] + e[Op.B] for e in seconds]
+            if len(set(self.schedule.stage_ranks)) < self.n_stages:  # a rank holds several stages
                 bounds = partition.fastest(seconds, self.schedule)
             else:
-                bounds = partition.balanced(costs, stages)
+                bounds = partition.balanced(costs, self.n_stages)
         log.info(f"partition ({method}): {partition.describe(bounds, costs)}")
         return bounds
 
@@ -320,11 +314,11 @@ class PipelineEngine(Checkpointable):
         self._lr.set(lr)
 
     def step(self, global_indices: np.ndarray) -> float:
-        mine = shard(global_indices, self.replica, self.replicas)
+        mine = shard(global_indices, self.dp_rank, self.dp_size)
         self.microbatches = [
             shard(mine, m, self.cfg.microbatches) for m in range(self.cfg.microbatches)
         ]
-        for stage in self.stages.values():
+        for stage in self.local_stages.values():
             stage.grads = None
         self.loss, self.stepped = 0.0, 0
         self.inflight: dict[tuple[int, int], Held] = {}
@@ -335,23 +329,23 @@ class PipelineEngine(Checkpointable):
             for action in self.actions:
                 start = time.time()
                 self.dispatch[action.op](action)
-                self.trace.record(self.step_index, action.code, action.mb, start, action.stage)
+                self.trace.record(self.step_index, action.op.code, action.mb, start, action.stage)
         self.step_index += 1
         return self._loss_to_rank0()
 
     def _reduce(self, a: Action) -> None:
         """REDUCE: once this stage's messages are out, average its gradients over replicas."""
         self.link.flush()
-        stage = self.stages[a.stage]
+        stage = self.local_stages[a.stage]
         stage.grads = self._average_over_replicas(stage.grads)
 
     def _step_optimizer(self, _a: Action) -> None:
         """STEP: at the rank's last one, clip by the norm over all stages, then apply (one
         collective per rank and step, however many stages each rank holds)."""
         self.stepped += 1
-        if self.stepped < len(self.stages):
+        if self.stepped < len(self.local_stages):
             return
-        grads = self._clip([g for stage in self.stages.values() for g in stage.grads])
+        grads = self._clip([g for stage in self.local_stages.values() for g in stage.grads])
         self._apply(grads)
 
     def _apply_gradients(self, grads: list) -> None:
@@ -360,7 +354,7 @@ class PipelineEngine(Checkpointable):
         self.optimizer.apply_gradients(zip(grads, self.variables, strict=True))
 
     def _average_over_replicas(self, grads: list) -> list:
-        if self.stage_set is None or self.replicas == 1:
+        if self.stage_set is None or self.dp_size == 1:
             return grads
         start = time.time()
         grads = average_gradients(self.world.hvd, grads, self.cfg.fp16_allreduce, self.stage_set)
@@ -380,7 +374,7 @@ class PipelineEngine(Checkpointable):
         """Each replica's rank holding the last stage sends its loss to rank 0 as a buffer;
         rank 0 averages."""
         holder = self.schedule.stage_ranks[-1]
-        last_ranks = [self.grid.pipeline_ranks(d)[holder] for d in range(self.replicas)]
+        last_ranks = [self.grid.pipeline_ranks(d)[holder] for d in range(self.dp_size)]
         value = np.array([self.loss], np.float64)
         if self.world.rank == 0:
             total = 0.0
@@ -390,20 +384,20 @@ class PipelineEngine(Checkpointable):
                     if r == 0
                     else self.world_link.recv_buffer(np.empty(1), r, LOSS, "the step's loss")[0]
                 )
-            return total / self.replicas
-        if self.position == holder:
+            return total / self.dp_size
+        if self.pp_rank == holder:
             self.world_link.send_buffer(value, 0, LOSS, "the step's loss")
             self.world_link.flush()
         return float("nan")
 
     # ---- the actions ----------------------------------------------------------------------
     def _forward(self, a: Action) -> None:
-        stage, idx = self.stages[a.stage], self.microbatches[a.mb]
+        stage, idx = self.local_stages[a.stage], self.microbatches[a.mb]
         y = tf.constant(self.data.y[idx])  # labels come from the shared batch order, not a peer
         if stage.first:
             x = tf.constant(self.data.x[idx])
         else:
-            x = self.ready.pop(consumes(a, self.stage_count))
+            x = self.ready.pop(consumes(a, self.n_stages))
         tape = None if self.cfg.recompute else tf.GradientTape()
         if tape is None:
             out = stage.output(x, y)
@@ -444,14 +438,14 @@ class PipelineEngine(Checkpointable):
 
     def _upstream(self, a: Action) -> tf.Tensor | None:
         """The gradient of the stage's output: received, handed over, or none (the loss)."""
-        need = consumes(a, self.stage_count)
+        need = consumes(a, self.n_stages)
         return None if need is None else self.ready.pop(need)
 
     def _gradients(
         self, a: Action, held: Held, upstream, weights: bool, inputs: bool
     ) -> tuple[list | None, tf.Tensor | None]:
         """(weight gradients or None, input gradient or None) of one microbatch on a stage."""
-        stage = self.stages[a.stage]
+        stage = self.local_stages[a.stage]
         sources = stage.sources(held.x, weights, inputs)
         if not sources:
             return None, None
@@ -463,17 +457,17 @@ class PipelineEngine(Checkpointable):
         return (grads[:count] if weights else None), (grads[count] if len(grads) > count else None)
 
     def _accumulate(self, stage: int, grads: list) -> None:
-        held = self.stages[stage]
+        held = self.local_stages[stage]
         # eager: a compiled sum's call costs more than its 30-odd adds (2.0 ms against 0.8)
         held.grads = list(grads) if held.grads is None else _add_lists(held.grads, grads)
 
     def _hand_on(self, a: Action, value: tf.Tensor | None) -> None:
         """What a computation made for a neighbouring stage: kept for a send, or, when that
         stage is on this rank too, handed over in memory."""
-        made = produces(a, self.stage_count)
+        made = produces(a, self.n_stages)
         if made is None:
             return
-        mine = self.schedule.stage_ranks[made.consumer] == self.position
+        mine = self.schedule.stage_ranks[made.consumer] == self.pp_rank
         (self.ready if mine else self.outbox)[made] = value
 
     def _send(self, a: Action) -> None:
@@ -488,35 +482,35 @@ class PipelineEngine(Checkpointable):
     # ---- evaluation, weights, metrics ---------------------------------------------------
     def evaluate(self) -> float:
         """Forward-only pass through the stages in order; nothing gathers the whole model."""
-        mine = np.arange(len(self.data.x_test))[self.replica :: self.replicas]
-        ranks, correct = self.schedule.stage_ranks, 0
+        mine = np.arange(len(self.data.x_test))[self.dp_rank :: self.dp_size]
+        stage_ranks, correct = self.schedule.stage_ranks, 0
         for start in range(0, len(mine), 512):
             idx = mine[start : start + 512]
             x = self.data.x_test[idx]  # stage 0's input, then each stage's output in turn
-            for s, stage in self.stages.items():
-                if not stage.first and ranks[s - 1] != self.position:
+            for s, stage in self.local_stages.items():
+                if not stage.first and stage_ranks[s - 1] != self.pp_rank:
                     x = np.empty((len(idx), *self.shapes[self.bounds[s][0]]), np.float32)
                     tag = self._evaluation_tag(s - 1)
-                    self.link.recv_buffer(x, ranks[s - 1], tag, "evaluation activations")
+                    self.link.recv_buffer(x, stage_ranks[s - 1], tag, "evaluation activations")
                 x = forward(stage.elements, tf.constant(x)).numpy()
                 if stage.last:
                     correct += int(np.sum(np.argmax(x, axis=-1) == self.data.y_test[idx]))
-                elif ranks[s + 1] != self.position:
+                elif stage_ranks[s + 1] != self.pp_rank:
                     out = np.ascontiguousarray(x)
                     tag = self._evaluation_tag(s)
-                    self.link.send_buffer(out, ranks[s + 1], tag, "evaluation activations")
+                    self.link.send_buffer(out, stage_ranks[s + 1], tag, "evaluation activations")
                     self.link.flush()
-        total = len(mine) if self.stage_count - 1 in self.stages else 0
+        total = len(mine) if self.n_stages - 1 in self.local_stages else 0
         return count_accuracy(self.world.comm, correct, total)
 
     def _evaluation_tag(self, stage: int) -> int:
         """Above every training message's tag, one per sending stage."""
-        return message_tag(self.stage_count, self.cfg.microbatches, stage)
+        return message_tag(self.n_stages, self.cfg.microbatches, stage)
 
     def gather_weights(self) -> dict[str, np.ndarray] | None:
         """Replica 0's stages send their weights to rank 0 under the single-process names."""
         mine = {v.path: v.numpy() for v in self.variables}
-        if self.replica != 0:
+        if self.dp_rank != 0:
             return None
         if self.world.rank != 0:
             header = json.dumps([[k, list(a.shape)] for k, a in mine.items()]).encode()
@@ -544,18 +538,18 @@ class PipelineEngine(Checkpointable):
     def layout(self) -> dict:
         return {
             "layout": "stages",
-            "stages": self.stage_count,
+            "stages": self.n_stages,
             "stage_ranks": list(self.schedule.stage_ranks),
             "partition": [list(b) for b in self.bounds],
         }
 
     def checkpoint_part(self) -> str | None:
         """One replica per stage writes; the others hold the same weights."""
-        return self.read_part() if self.replica == 0 else None
+        return self.read_part() if self.dp_rank == 0 else None
 
     def read_part(self) -> str:
         """`stage1`, or `stage0+2` for a rank holding several stages."""
-        return "stage" + "+".join(map(str, self.stages))
+        return "stage" + "+".join(map(str, self.local_stages))
 
     def epoch_scalars(self) -> dict[str, float]:
         """The bubble measured over this epoch's steps (collective: rank 0 gets the value).
@@ -564,13 +558,13 @@ class PipelineEngine(Checkpointable):
         first, self.epoch_start = self.epoch_start, self.step_index
         if rows is None:
             return {}
-        return {"bubble_measured": measured_bubble(rows, self.ranks, skip_first=first == 0)}
+        return {"bubble_measured": measured_bubble(rows, self.pp_size, skip_first=first == 0)}
 
     def prediction(self, rows: np.ndarray, steps: list[int]) -> tuple[SimResult, dict]:
         """The schedule replayed with this run's calibration (each of `steps` of a gathered
         trace with its own actions' times, and the link model), and that calibration as a
         report: the median per (stage, op), which `ringtrain plan` reads."""
-        measured = step_actions(rows, steps, self.ranks)
+        measured = step_actions(rows, steps, self.pp_size)
         predicted = predict_from_steps(
             self.schedule, measured, self.link_model, self.boundary_bytes
         )
@@ -590,27 +584,27 @@ class PipelineEngine(Checkpointable):
         checksums = replica_checksums(self.world.comm, self.variables)
         if rows is None:
             return {}
-        title = f"{self.schedule.kind} P={self.ranks} M={self.cfg.microbatches}"
+        title = f"{self.schedule.kind} P={self.pp_size} M={self.cfg.microbatches}"
         steps = calibration_steps(1, self.step_index - 1) if self.step_index > 1 else [0]
         predicted, calibration = self.prediction(rows, steps)
         if self.cfg.trace:
-            write_chrome_trace(rows, self.ranks, self.cfg.trace)
+            write_chrome_trace(rows, self.pp_size, self.cfg.trace)
         if self.cfg.gantt:
             from ringtrain.pipeline.gantt import draw_panels
 
-            measured = timeline(rows, self.ranks, self.step_index - 1)
+            measured = timeline(rows, self.pp_size, self.step_index - 1)
             panels = [(f"{title}: predicted", predicted.timeline), (f"{title}: measured", measured)]
             draw_panels(panels, self.cfg.gantt)
         return {
             "schedule": self.cfg.schedule,
             "microbatches": self.cfg.microbatches,
-            "pp_size": self.ranks,
-            "stages": self.stage_count,
+            "pp_size": self.pp_size,
+            "stages": self.n_stages,
             "stage_ranks": list(self.schedule.stage_ranks),
             "recompute": self.cfg.recompute,
-            "dp_size": self.replicas,
+            "dp_size": self.dp_size,
             "partition": [list(b) for b in self.bounds],
-            "bubble_measured": measured_bubble(rows, self.ranks),
+            "bubble_measured": measured_bubble(rows, self.pp_size),
             "bubble_predicted": predicted.bubble,
             "bubble_predicted_unit_costs": self.predicted.bubble,
             "step_time_measured": measured_step_seconds(rows),
@@ -621,15 +615,15 @@ class PipelineEngine(Checkpointable):
         }
 
 
-def time_element(element, input_shape: tuple[int, ...], repeats: int = 3) -> dict[str, float]:
+def time_element(element, input_shape: tuple[int, ...], repeats: int = 3) -> dict[Op, float]:
     """Median seconds of an element's F, B, BI and BW on a microbatch-sized input, run the way
     the executor runs a stage: a compiled forward under an eager tape, gradients from the tape
     (B: weights and input; BI: the input only; BW: the weights only)."""
     x = tf.random.normal(input_shape)
     call = tf.function(element.__call__)
     weights = list(element.trainable_weights)
-    wanted = {"B": [*weights, x], "BI": [x], "BW": weights}
-    timings: dict[str, list[float]] = {op: [] for op in ("F", *wanted)}
+    wanted = {Op.B: [*weights, x], Op.BI: [x], Op.BW: weights}
+    timings: dict[Op, list[float]] = {op: [] for op in (Op.F, *wanted)}
     for round_index in range(repeats + 1):  # the first round traces
         for op, sources in wanted.items():
             start = time.perf_counter()
@@ -640,6 +634,6 @@ def time_element(element, input_shape: tuple[int, ...], repeats: int = 3) -> dic
             if sources:
                 tape.gradient(out, sources)
             if round_index:
-                timings["F"].append(middle - start)
+                timings[Op.F].append(middle - start)
                 timings[op].append(time.perf_counter() - middle)
     return {op: float(np.median(values)) for op, values in timings.items()}

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ringtrain.pipeline.ir import Action, Tensor, carries, consumes, produces
+from ringtrain.pipeline.ir import Action, Op, Tensor, carries, consumes, produces
 
 EPS = 1e-9  # times are sums of float costs: two ranks "at the same instant" may differ by ulps
 
@@ -72,11 +72,11 @@ class _Loop:
         self.stage_ranks, self.lists, self.cost = stage_ranks, lists, cost
         self.blocking, self.witness = blocking, witness
         self.transfer = transfer or (lambda a, leaves: 0.0)
-        self.stages, ranks = len(stage_ranks), len(lists)
+        self.n_stages, pp_size = len(stage_ranks), len(lists)
         self.plans = [[self._plan(a) for a in row] for row in lists]
-        self.pc, self.clock = [0] * ranks, [0.0] * ranks
-        self.out: list[list[Action]] = [[] for _ in range(ranks)]
-        self.times: list[list[tuple[float, float]]] = [[] for _ in range(ranks)]
+        self.pc, self.clock = [0] * pp_size, [0.0] * pp_size
+        self.out: list[list[Action]] = [[] for _ in range(pp_size)]
+        self.times: list[list[tuple[float, float]]] = [[] for _ in range(pp_size)]
         self.made: dict[Tensor, float] = {}  # witness: tensor -> when its compute ended
         self.received: set[Tensor] = set()  # witness: tensors delivered to their consumer
         self.arrives: dict[Tensor, float] = {}  # buffered sends: tensor -> arrival time
@@ -87,12 +87,12 @@ class _Loop:
     def _plan(self, a: Action) -> tuple[int, Tensor | None, int, Action | None]:
         """(kind of step, the tensor it moves or needs, the peer rank, the peer's matching
         receive), worked out once per action rather than at every instant."""
-        if a.is_message:
+        if a.op.is_message:
             tensor = carries(a)
-            if a.op.startswith("SEND"):
+            if a.op.is_send:
                 return _SEND, tensor, self.stage_ranks[tensor.consumer], tensor.recv_action()
             return _RECV, tensor, self.stage_ranks[tensor.stage], None
-        need = consumes(a, self.stages) if self.witness else None
+        need = consumes(a, self.n_stages) if self.witness else None
         return _OTHER, need, -1 if need is None else self.stage_ranks[need.stage], None
 
     def run(self) -> Run:
@@ -183,7 +183,7 @@ class _Loop:
             return False
         end = self.t + self.cost(a)
         if self.witness:
-            made = produces(a, self.stages)
+            made = produces(a, self.n_stages)
             if made is not None:
                 self.made[made] = end
             self.done.add(a)
@@ -195,6 +195,6 @@ class _Loop:
         """Witness run: a compute waits for its input tensor and its own earlier halves."""
         if need is not None and need not in (self.made if maker == r else self.received):
             return False
-        if a.op in ("B", "BI") and Action(a.stage, "F", a.mb) not in self.done:
+        if a.op.makes_input_grad and Action(a.stage, Op.F, a.mb) not in self.done:
             return False
-        return not (a.op == "BW" and Action(a.stage, "BI", a.mb) not in self.done)
+        return not (a.op is Op.BW and Action(a.stage, Op.BI, a.mb) not in self.done)

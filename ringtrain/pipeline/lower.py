@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from ringtrain.pipeline.interpreter import Stuck, interpret
-from ringtrain.pipeline.ir import Action, Schedule, consumes, produces
+from ringtrain.pipeline.ir import Action, Op, Schedule, consumes, produces
 from ringtrain.pipeline.simulate import unit_cost
 
 
@@ -44,11 +44,11 @@ def naive_lowering(
     orders: Sequence[Sequence[Action]], stage_ranks: Sequence[int]
 ) -> list[list[Action]]:
     """Receive right before, send right after each compute: kept to show why `lower` exists."""
-    stages, lists = len(stage_ranks), []
+    n_stages, lists = len(stage_ranks), []
     for r, order in enumerate(orders):
         row: list[Action] = []
         for a in order:
-            need, made = consumes(a, stages), produces(a, stages)
+            need, made = consumes(a, n_stages), produces(a, n_stages)
             row += [need.recv_action()] if need and stage_ranks[need.stage] != r else []
             row += [a] + ([made.send_action()] if made and stage_ranks[made.consumer] != r else [])
         lists.append(row)
@@ -64,9 +64,9 @@ def add_reduce_and_step(
         last = {a.stage: i for i, a in enumerate(row)}
         lowered: list[Action] = []
         for i, a in enumerate(row):
-            lowered += [a, Action(a.stage, "REDUCE")] if last[a.stage] == i else [a]
+            lowered += [a, Action(a.stage, Op.REDUCE)] if last[a.stage] == i else [a]
         mine = [s for s, rank in enumerate(stage_ranks) if rank == r]
-        out.append(lowered + [Action(s, "STEP") for s in mine])
+        out.append(lowered + [Action(s, Op.STEP) for s in mine])
     return out
 
 
@@ -74,15 +74,15 @@ def send_when_made(schedule: Schedule) -> Schedule:
     """The schedule with each send right after the computation that made its tensor: for sends
     that never block, where it cannot deadlock (data is only ever ready earlier) and no receiver
     waits longer. Blocking sends need `lower`'s placement."""
-    stages, lists = schedule.stages, []
+    n_stages, lists = schedule.n_stages, []
     for row in schedule.actions:
-        sends = {a for a in row if a.op.startswith("SEND_")}
+        sends = {a for a in row if a.op.is_send}
         moved: list[Action] = []
         for a in row:
             if a in sends:
                 continue
             moved.append(a)
-            made = produces(a, stages)
+            made = produces(a, n_stages)
             send = made.send_action() if made is not None else None
             if send in sends:
                 moved.append(send)

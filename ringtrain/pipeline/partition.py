@@ -1,4 +1,4 @@
-"""Split a model's ordered elements into P contiguous stages.
+"""Split a model's ordered elements into n_stages contiguous stages.
 
 `uniform` balances the element count, `params` the parameter count, and `time` the measured
 forward+backward time. The last two are the same min-max problem over a cost per element:
@@ -14,24 +14,24 @@ from functools import cache
 from itertools import combinations
 from math import comb
 
-from ringtrain.pipeline.ir import COMPUTE, Schedule
+from ringtrain.pipeline.ir import COMPUTE, Op, Schedule
 from ringtrain.pipeline.simulate import simulate
 
 MOST_SIMULATED = 1000  # splits a simulation search tries; more fall back to `balanced`
 
 
-def uniform(n_elements: int, stages: int) -> list[tuple[int, int]]:
+def uniform(n_elements: int, n_stages: int) -> list[tuple[int, int]]:
     """Equal counts; earlier stages take the remainder (they also hold the input)."""
-    base, extra = divmod(n_elements, stages)
+    base, extra = divmod(n_elements, n_stages)
     bounds, start = [], 0
-    for s in range(stages):
+    for s in range(n_stages):
         end = start + base + (1 if s < extra else 0)
         bounds.append((start, end))
         start = end
     return bounds
 
 
-def balanced(costs: Sequence[float], stages: int) -> list[tuple[int, int]]:
+def balanced(costs: Sequence[float], n_stages: int) -> list[tuple[int, int]]:
     """Contiguous split minimising the costliest stage (exact dynamic programme; n is small)."""
     n = len(costs)
     prefix = [0.0]
@@ -48,7 +48,7 @@ def balanced(costs: Sequence[float], stages: int) -> list[tuple[int, int]]:
             options.append((max(prefix[end] - prefix[start], rest), (end, *cuts)))
         return min(options)
 
-    _, cuts = best(0, stages)
+    _, cuts = best(0, n_stages)
     starts = (0, *cuts[:-1])
     return list(zip(starts, cuts, strict=True))
 
@@ -58,10 +58,10 @@ def fastest(seconds: Sequence[Mapping[str, float]], schedule: Schedule) -> list[
     seconds (a stage's are its elements' sums; messages free), is shortest; ties go to the one
     with the cheapest costliest stage. Balancing ranks alone is not enough: a rank's two stages
     can sum evenly while one of them is twice its neighbours and holds up every microbatch."""
-    n, stages = len(seconds), schedule.stages
-    totals = [e["F"] + e["B"] for e in seconds]
-    if comb(n - 1, stages - 1) > MOST_SIMULATED:
-        return balanced(totals, stages)
+    n, n_stages = len(seconds), schedule.n_stages
+    totals = [e[Op.F] + e[Op.B] for e in seconds]
+    if comb(n - 1, n_stages - 1) > MOST_SIMULATED:
+        return balanced(totals, n_stages)
 
     def step_key(bounds: list[tuple[int, int]]) -> tuple[float, float]:
         table = [{op: sum(e[op] for e in seconds[a:b]) for op in COMPUTE} for a, b in bounds]
@@ -70,7 +70,7 @@ def fastest(seconds: Sequence[Mapping[str, float]], schedule: Schedule) -> list[
 
     splits = [
         list(zip((0, *cuts), (*cuts, n), strict=True))
-        for cuts in combinations(range(1, n), stages - 1)
+        for cuts in combinations(range(1, n), n_stages - 1)
     ]
     return min(splits, key=step_key)
 

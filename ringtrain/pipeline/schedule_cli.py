@@ -41,13 +41,13 @@ def _schedule(args: argparse.Namespace) -> Schedule:
             flag = "--" + given[0].replace("_", "-")
             raise UserError(f"--file holds the whole schedule; {flag} does not apply to it")
         return load_schedule_file(args.file)
-    kind, ranks, micro = (
+    kind, pp_size, micro = (
         _DEFAULTS[name] if getattr(args, name) is None else getattr(args, name)
         for name in flags[:3]
     )
     virtual = args.virtual_stages or (2 if kind == "interleaved" else 1)
     try:
-        return build_schedule(kind, ranks, micro, virtual)
+        return build_schedule(kind, pp_size, micro, virtual)
     except ValueError as err:  # pure arithmetic on the flags: every rank would say the same
         raise UserError(str(err)).on_every_rank(who_am_i().rank) from None
 
@@ -88,9 +88,9 @@ def run_schedule_command(args: argparse.Namespace) -> int:
     if args.png:
         from ringtrain.pipeline.gantt import draw_gantt
 
-        title = f"{schedule.kind} P={schedule.ranks} M={schedule.microbatches}"
-        if schedule.stages != schedule.ranks:
-            title += f" stages={schedule.stages}"
+        title = f"{schedule.kind} P={schedule.pp_size} M={schedule.microbatches}"
+        if schedule.n_stages != schedule.pp_size:
+            title += f" stages={schedule.n_stages}"
         draw_gantt(result.timeline, args.png, f"{title}, bubble {100 * result.bubble:.1f}%")
         if not args.json:
             print(f"wrote {args.png}")

@@ -23,7 +23,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ringtrain.pipeline.interpreter import Cost, Stuck, interpret
-from ringtrain.pipeline.ir import Action, Schedule, carries
+from ringtrain.pipeline.ir import Action, Op, Schedule, carries
+
+_UNIT = {Op.F: 1.0, Op.B: 1.0, Op.BI: 0.5, Op.BW: 0.5}  # of a rank's share of the model
 
 
 class Wire(Protocol):
@@ -39,8 +41,7 @@ def unit_cost(stage_ranks: Sequence[int]) -> Cost:
     per_rank = Counter(stage_ranks)
 
     def cost(a: Action) -> float:
-        share = 1.0 / per_rank[stage_ranks[a.stage]]
-        return {"F": share, "B": share, "BI": share / 2, "BW": share / 2}.get(a.op, 0.0)
+        return _UNIT.get(a.op, 0.0) / per_rank[stage_ranks[a.stage]]
 
     return cost
 
@@ -48,8 +49,8 @@ def unit_cost(stage_ranks: Sequence[int]) -> Cost:
 @dataclass
 class SimResult:
     makespan: float
-    bubble: float  # idle fraction: 1 - sum(busy) / (ranks * span of the computations)
-    busy: list[float]  # computing time per rank (F, B, BI, BW)
+    bubble: float  # idle fraction: 1 - sum(busy) / (pp_size * span of the computations)
+    busy: list[float]  # computing time per pipeline rank (F, B, BI, BW)
     peak_inflight: list[int]  # per stage: most microbatches between F and B (or BW) at once
     timeline: list[list[tuple[str, float, float]]]  # per rank (action, start, end), computations
 
@@ -62,13 +63,13 @@ def simulate(
 ) -> SimResult:
     """Replay every rank's list in time with buffered sends; unit costs unless told otherwise."""
     cost = cost or unit_cost(schedule.stage_ranks)
-    ranks, wires = schedule.stage_ranks, {}
+    stage_ranks, wires = schedule.stage_ranks, {}
 
     def transfer(send: Action, leaves: float) -> float:
         if link is None:
             return 0.0
         tensor = carries(send)
-        path = (ranks[tensor.stage], ranks[tensor.consumer])
+        path = (stage_ranks[tensor.stage], stage_ranks[tensor.consumer])
         if path not in wires:
             wires[path] = link.wire()
         wire = wires[path]
@@ -82,24 +83,24 @@ def simulate(
     except Stuck as stuck:
         raise ValueError(f"receive without a send: {stuck}") from None
     timeline = [
-        [(str(a), start, end) for a, (start, end) in zip(row, times, strict=True) if a.is_compute]
+        [(str(a), s, e) for a, (s, e) in zip(row, times, strict=True) if a.op.is_compute]
         for row, times in zip(run.actions, run.times, strict=True)
     ]
     busy = [sum(end - start for _, start, end in row) for row in timeline]
     makespan = max((end for times in run.times for _, end in times), default=0.0)
     boxes = [box for row in timeline for box in row]
     span = max((b[2] for b in boxes), default=0.0) - min((b[1] for b in boxes), default=0.0)
-    bubble = 1.0 - sum(busy) / (schedule.ranks * span) if span > 0 else 0.0
+    bubble = 1.0 - sum(busy) / (schedule.pp_size * span) if span > 0 else 0.0
     return SimResult(makespan, bubble, busy, _peak_inflight(schedule), timeline)
 
 
 def _peak_inflight(schedule: Schedule) -> list[int]:
-    held, peak = [0] * schedule.stages, [0] * schedule.stages
+    held, peak = [0] * schedule.n_stages, [0] * schedule.n_stages
     for row in schedule.actions:
         for a in row:
-            if a.op == "F":
+            if a.op is Op.F:
                 held[a.stage] += 1
                 peak[a.stage] = max(peak[a.stage], held[a.stage])
-            elif a.op in ("B", "BW"):
+            elif a.op.ends_microbatch:
                 held[a.stage] -= 1
     return peak

@@ -11,9 +11,10 @@ from statistics import median
 
 import numpy as np
 
-COMPUTE = ("F", "B", "BI", "BW")
+from ringtrain.pipeline.ir import COMPUTE, Op
+
 # Every action's code (schedule IR), and ALLREDUCE: the replica average inside a REDUCE.
-OPS = ("F", "B", "BI", "BW", "SA", "RA", "SG", "RG", "REDUCE", "STEP", "ALLREDUCE")
+OPS = (*(op.code for op in Op), "ALLREDUCE")
 # The columns of a gathered trace; a rank records all but the last.
 STEP, OP, MB, START, END, STAGE, RANK = range(7)
 RECORDED = RANK
@@ -52,20 +53,20 @@ def _gather_counts(comm, n: int) -> np.ndarray:
     return counts
 
 
-def measured_bubble(rows: np.ndarray, stages: int, skip_first: bool = True) -> float:
+def measured_bubble(rows: np.ndarray, pp_size: int, skip_first: bool = True) -> float:
     """Median over steps of 1 - (busy compute summed over stages) / (P x wall time of the step).
 
-    Rows of every replica are pooled per step (rank // stages is the replica), each replica's
+    Rows of every replica are pooled per step (rank // pp_size is the dp_rank), each replica's
     bubble is computed separately, then the median is taken.
     """
     values = []
     for step in _steps(rows, skip_first):
         at_step = rows[rows[:, STEP] == step]
-        for replica in {int(r) // stages for r in at_step[:, RANK]}:
-            compute = computations(at_step[at_step[:, RANK] // stages == replica])
+        for dp_rank in {int(r) // pp_size for r in at_step[:, RANK]}:
+            compute = computations(at_step[at_step[:, RANK] // pp_size == dp_rank])
             wall = compute[:, END].max() - compute[:, START].min()
             busy = float(np.sum(compute[:, END] - compute[:, START]))
-            values.append(1.0 - busy / (stages * wall))
+            values.append(1.0 - busy / (pp_size * wall))
     return float(median(values))
 
 
@@ -83,7 +84,7 @@ def measured_step_seconds(rows: np.ndarray, skip_first: bool = True) -> float:
 
 def computations(rows: np.ndarray) -> np.ndarray:
     """The rows of F, B, BI and BW."""
-    return rows[np.isin(rows[:, OP], [OPS.index(op) for op in COMPUTE])]
+    return rows[np.isin(rows[:, OP], [OPS.index(op.code) for op in COMPUTE])]
 
 
 def _steps(rows: np.ndarray, skip_first: bool) -> list[int]:
@@ -93,18 +94,18 @@ def _steps(rows: np.ndarray, skip_first: bool) -> list[int]:
     return steps[1:] if skip_first and len(steps) > 1 else steps
 
 
-def timeline(rows: np.ndarray, stages: int, step: int, replica: int = 0) -> list[list]:
+def timeline(rows: np.ndarray, pp_size: int, step: int, dp_rank: int = 0) -> list[list]:
     """(label, start, end) per pipeline rank for one step of one replica, labelled like the
     schedule's actions ("1F3"): what draw_gantt takes."""
-    lanes: list[list] = [[] for _ in range(stages)]
+    lanes: list[list] = [[] for _ in range(pp_size)]
     for _step, op, mb, start, end, stage, rank in computations(rows[rows[:, STEP] == step]):
-        if int(rank) // stages == replica:
+        if int(rank) // pp_size == dp_rank:
             label = f"{int(stage)}{OPS[int(op)]}{int(mb)}"
-            lanes[int(rank) % stages].append((label, start, end))
+            lanes[int(rank) % pp_size].append((label, start, end))
     return lanes
 
 
-def write_chrome_trace(rows: np.ndarray, stages: int, path: str) -> None:
+def write_chrome_trace(rows: np.ndarray, pp_size: int, path: str) -> None:
     """chrome://tracing / Perfetto format: one process per replica, one thread per stage."""
     t0 = rows[:, START].min()
     events = [
@@ -114,8 +115,8 @@ def write_chrome_trace(rows: np.ndarray, stages: int, path: str) -> None:
             "cat": "step",
             "ts": (start - t0) * 1e6,
             "dur": (end - start) * 1e6,
-            "pid": int(rank) // stages,
-            "tid": int(rank) % stages,
+            "pid": int(rank) // pp_size,
+            "tid": int(rank) % pp_size,
             "args": {"step": int(step), "rank": int(rank)},
         }
         for step, op, mb, start, end, stage, rank in rows

@@ -12,7 +12,7 @@ finds whether the ranks' orders can run together.
 from __future__ import annotations
 
 from ringtrain.pipeline.interpreter import Stuck, interpret
-from ringtrain.pipeline.ir import Action, Schedule, carries, consumes, produces
+from ringtrain.pipeline.ir import Action, Op, Schedule, carries, consumes, produces
 from ringtrain.pipeline.simulate import unit_cost
 
 
@@ -29,9 +29,9 @@ def validate(schedule: Schedule) -> None:
 
 def check_order(schedule: Schedule, lowered: bool) -> None:
     """The order and completeness passes; `lowered=False` for a bare compute order."""
-    if not schedule.stages:
+    if not schedule.n_stages:
         raise ValueError("the schedule has no stages")
-    for r in range(schedule.ranks):
+    for r in range(schedule.pp_size):
         seen: set[Action] = set()
         for i, a in enumerate(schedule.actions[r]):
             problem = _out_of_order(schedule, r, a, seen, lowered)
@@ -45,34 +45,34 @@ def _out_of_order(
     schedule: Schedule, r: int, a: Action, seen: set[Action], lowered: bool
 ) -> str | None:
     """What is wrong with action `a` at this point of rank r's list, if anything."""
-    stages, mb = schedule.stages, a.mb
-    if not 0 <= a.stage < stages:
-        return f"there is no stage {a.stage} (the schedule has {stages})"
+    n_stages, mb = schedule.n_stages, a.mb
+    if not 0 <= a.stage < n_stages:
+        return f"there is no stage {a.stage} (the schedule has {n_stages})"
     if schedule.stage_ranks[a.stage] != r:
         return f"stage {a.stage} runs on rank {schedule.stage_ranks[a.stage]}"
     if mb is not None and not 0 <= mb < schedule.microbatches:
         return f"microbatch {mb} is out of range (there are {schedule.microbatches})"
     if a in seen:
         return "repeats an earlier action"
-    if a.is_message:
+    if a.op.is_message:
         return _message_problem(schedule, r, a, seen)
-    if a.op == "REDUCE":
+    if a.op is Op.REDUCE:
         missing = _missing_compute(schedule, a.stage, seen)
         return f"averages gradients before {missing}" if missing else None
-    if a.op == "STEP":
-        reduce_ = Action(a.stage, "REDUCE")
+    if a.op is Op.STEP:
+        reduce_ = Action(a.stage, Op.REDUCE)
         return None if reduce_ in seen else "steps the optimizer before averaging the gradients"
-    if a.op == "BW":
-        if Action(a.stage, "BI", mb) not in seen:
+    if a.op is Op.BW:
+        if Action(a.stage, Op.BI, mb) not in seen:
             return f"weight-gradient half of microbatch {mb} before its input-gradient half"
         return None
-    if a.op in ("B", "BI"):
-        if Action(a.stage, "F", mb) not in seen:
+    if a.op.makes_input_grad:
+        if Action(a.stage, Op.F, mb) not in seen:
             return f"backward of microbatch {mb} before its forward"
-        other = ("BI", "BW") if a.op == "B" else ("B",)
+        other = (Op.BI, Op.BW) if a.op is Op.B else (Op.B,)
         if any(Action(a.stage, op, mb) in seen for op in other):
             return f"both a full and a split backward of microbatch {mb}"
-    need = consumes(a, stages)
+    need = consumes(a, n_stages)
     if need is None:
         return None
     if schedule.stage_ranks[need.stage] != r:
@@ -87,9 +87,9 @@ def _out_of_order(
 
 def _message_problem(schedule: Schedule, r: int, a: Action, seen: set[Action]) -> str | None:
     tensor = carries(a)
-    sending = a.op.startswith("SEND")
+    sending = a.op.is_send
     peer_stage = tensor.consumer if sending else tensor.stage
-    if not 0 <= peer_stage < schedule.stages:
+    if not 0 <= peer_stage < schedule.n_stages:
         return f"there is no stage {peer_stage} to {'send to' if sending else 'receive from'}"
     if schedule.stage_ranks[peer_stage] == r:
         return f"stage {peer_stage} is on this rank too: hand-offs within a rank are not messages"
@@ -103,10 +103,10 @@ def _message_problem(schedule: Schedule, r: int, a: Action, seen: set[Action]) -
 def _missing_compute(schedule: Schedule, stage: int, seen: set[Action]) -> str | None:
     """The first forward or backward stage `stage` has not run, if any."""
     for mb in range(schedule.microbatches):
-        if Action(stage, "F", mb) not in seen:
-            return str(Action(stage, "F", mb))
-        if Action(stage, "B", mb) not in seen and Action(stage, "BW", mb) not in seen:
-            return str(Action(stage, "B", mb))
+        if Action(stage, Op.F, mb) not in seen:
+            return str(Action(stage, Op.F, mb))
+        if Action(stage, Op.B, mb) not in seen and Action(stage, Op.BW, mb) not in seen:
+            return str(Action(stage, Op.B, mb))
     return None
 
 
@@ -114,13 +114,13 @@ def _check_complete(schedule: Schedule, r: int, seen: set[Action], lowered: bool
     """Every stage on rank r computes and exchanges every microbatch, then REDUCEs and STEPs."""
     for stage in schedule.stages_on(r):
         for mb in range(schedule.microbatches):
-            backward = ("BI", "BW") if Action(stage, "BI", mb) in seen else ("B",)
-            computes = [Action(stage, op, mb) for op in ("F", *backward)]
+            backward = (Op.BI, Op.BW) if Action(stage, Op.BI, mb) in seen else (Op.B,)
+            computes = [Action(stage, op, mb) for op in (Op.F, *backward)]
             needed = computes + (_messages(schedule, r, computes) if lowered else [])
             for a in needed:
                 if a not in seen:
                     raise ValueError(f"rank {r}: {a} is missing")
-        for op in ("REDUCE", "STEP") if lowered else ():
+        for op in (Op.REDUCE, Op.STEP) if lowered else ():
             if Action(stage, op) not in seen:
                 raise ValueError(f"rank {r}: {Action(stage, op)} is missing")
 
@@ -129,7 +129,7 @@ def _messages(schedule: Schedule, r: int, computes: list[Action]) -> list[Action
     """The receives feeding `computes` and the sends of what they make, across ranks."""
     messages = []
     for a in computes:
-        need, made = consumes(a, schedule.stages), produces(a, schedule.stages)
+        need, made = consumes(a, schedule.n_stages), produces(a, schedule.n_stages)
         if need is not None and schedule.stage_ranks[need.stage] != r:
             messages.append(need.recv_action())
         if made is not None and schedule.stage_ranks[made.consumer] != r:

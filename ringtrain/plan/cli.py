@@ -16,8 +16,11 @@ import re
 import tempfile
 from pathlib import Path
 
-from ringtrain.config import MODELS, OPTIMIZERS
+from ringtrain.bounded import RunFailed, run_bounded
+from ringtrain.config import TrainConfig, add_train_arguments, check_values
 from ringtrain.errors import UserError
+from ringtrain.launch.mpirun import host_flags, mpi_env, mpirun_command
+from ringtrain.machine import machine_facts
 from ringtrain.pipeline.costs import LinkModel, MeasuredCurve
 from ringtrain.plan.costmodel import (
     FORMAT,
@@ -29,6 +32,8 @@ from ringtrain.plan.costmodel import (
 
 DEFAULT_CALIBRATION = "calibration.json"
 FINGERPRINT_KEYS = ("cpu_model", "cpus", "tensorflow", "horovod")
+# train's flags that plan takes: what it plans for.
+PLANNED_FLAGS = ("model", "dataset", "optimizer", "batch_size")
 SIZE = re.compile(r"^(\d+(?:\.\d+)?)([KMGT]?)(i?B)?$", re.IGNORECASE)
 
 
@@ -52,10 +57,7 @@ def _positive(text: str) -> int:
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", nargs="?", choices=["calibrate"], help="measure instead of plan")
-    p.add_argument("--model", default="mlp", choices=MODELS)
-    p.add_argument("--dataset", default="digits", help="digits, synthetic or npz:PATH")
-    p.add_argument("--optimizer", default="adam", choices=OPTIMIZERS)
-    p.add_argument("--batch-size", type=_positive, default=64, help="the global batch")
+    add_train_arguments(p, PLANNED_FLAGS)  # declared once, with train's defaults and help
     p.add_argument("--nodes", type=_positive, default=1)
     p.add_argument("--ranks-per-node", type=_positive, default=2)
     p.add_argument("--memory-per-rank", type=_bytes, help="bytes a rank may hold (e.g. 2G)")
@@ -70,6 +72,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_plan_command(args: argparse.Namespace) -> int:
+    check_values(TrainConfig(**{name: getattr(args, name) for name in PLANNED_FLAGS}))
     path = args.calibration or DEFAULT_CALIBRATION
     if args.action == "calibrate" or (args.calibration is None and not Path(path).exists()):
         if args.action != "calibrate":
@@ -78,11 +81,11 @@ def run_plan_command(args: argparse.Namespace) -> int:
         print(f"wrote {path}")
         if args.action == "calibrate":
             return 0
-    cal = load_calibration(path, args.model, args.dataset, args.force)
+    cal = load_calibration(path, args.model, args.dataset, args.optimizer, args.force)
     grid = _grid(args.grid, args.nodes * args.ranks_per_node)
     table = plan(cal, args.nodes, args.ranks_per_node, args.batch_size, args.memory_per_rank)
     if grid:
-        table = [p for p in table if (p.candidate.replicas, p.candidate.stages) == grid]
+        table = [p for p in table if (p.candidate.dp_size, p.candidate.pp_size) == grid]
     if not table:
         raise UserError(f"no configuration divides the global batch {args.batch_size}")
     best = next((p for p in table if p.fits and not p.candidate.fp16_allreduce), None)
@@ -136,13 +139,13 @@ def _print_table(table: list[Prediction]) -> None:
 
 
 def fingerprint() -> dict:
-    from ringtrain.bench.common import machine_facts
-
     facts = machine_facts()
     return {key: facts[key] for key in FINGERPRINT_KEYS}
 
 
-def load_calibration(path: str, model: str, dataset: str, force: bool = False) -> Calibration:
+def load_calibration(
+    path: str, model: str, dataset: str, optimizer: str, force: bool = False
+) -> Calibration:
     """Read and check a calibration file; one-line UserError for each way it can be wrong."""
     try:
         doc = json.loads(Path(path).read_text())
@@ -160,6 +163,11 @@ def load_calibration(path: str, model: str, dataset: str, force: bool = False) -
         raise UserError(
             f"{path}: calibrated for model {cal.model!r} on {cal.dataset!r}, "
             f"not {model!r} on {dataset!r}"
+        )
+    if cal.optimizer != optimizer:  # Adam's step and state cost more than SGD's
+        raise UserError(
+            f"{path}: calibrated with optimizer {cal.optimizer!r}, not {optimizer!r}; "
+            f"run `ringtrain plan calibrate --optimizer {optimizer}`"
         )
     here = fingerprint()
     differ = [k for k in FINGERPRINT_KEYS if cal.fingerprint.get(k) != here[k]]
@@ -245,10 +253,8 @@ def _from_json(doc: dict) -> Calibration:
 def two_ranks(placement: list[str], module: str, *args: str) -> list[str]:
     """mpirun starting `python -m module args` in 2 ranks, placed by `placement` (host flags),
     or bound as Open MPI binds 2 ranks on one node (a core each), with the environment
-    `mpirun ringtrain train` would see (bench.common.mpi_env()): the calibration and the runs
+    `mpirun ringtrain train` would see (launch.mpirun.mpi_env()): the calibration and the runs
     it predicts start alike. RINGTRAIN_THREADS, if set, reaches every rank."""
-    from ringtrain.bench.common import mpirun_command
-
     forward = "RINGTRAIN_THREADS" in os.environ
     return mpirun_command(2, module, *args, placement=placement, forward_threads=forward)
 
@@ -266,8 +272,6 @@ def _executor_reference(
     """Short 2-stage 1F1B runs of the executor itself, placed as the compute was measured, at
     two microbatch sizes: their in-run calibration (each action's host time from the trace)
     shows what an action costs beyond the compute measured alone."""
-    from ringtrain.bench.common import RunFailed, mpi_env, run_bounded
-
     runs = []
     for count in REFERENCE_MICROBATCHES:
         metrics = tmp / f"reference-{count}.json"
@@ -300,8 +304,6 @@ def calibrate(
     Compute and the executor's own costs are measured where the jobs will run: across the two
     hosts when given (a rank on each, as the nodes' cores and thread pools are), else here;
     the links inside a node are always measured here, and between nodes across the hosts."""
-    from ringtrain.bench.common import RunFailed, host_flags, mpi_env, run_bounded
-
     common = ["--model", model, "--dataset", dataset, "--optimizer", optimizer]
     common += ["--batch-size", str(batch)]
     try:

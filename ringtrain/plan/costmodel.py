@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from ringtrain.errors import UserError
 from ringtrain.pipeline.costs import LinkModel, MeasuredCurve, predict
+from ringtrain.pipeline.ir import COMPUTE, Op
 from ringtrain.pipeline.lower import send_when_made
 from ringtrain.pipeline.partition import balanced
 from ringtrain.pipeline.schedule import build_schedule
@@ -43,6 +44,7 @@ FORMAT = "ringtrain-calibration/4"
 FLOAT_BYTES = 4
 OPTIMIZER_SLOTS = {"sgd": 0, "adam": 2}  # float slots per weight (Adam: two moments)
 SCHEDULE_KINDS = ("gpipe", "1f1b", "zb-h1")
+_STAGE_TIMED = (Op.F, Op.B, Op.STEP)  # calibrated per stage range; the executor's runs add more
 
 
 @dataclass(frozen=True)
@@ -156,25 +158,26 @@ def roofline(compute: float, allreduce: float) -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class Candidate:
-    """A configuration to predict: D replicas of a P-stage pipeline (P = 1: data parallel)."""
+    """A configuration to predict: dp_size replicas of a pipeline of pp_size ranks (one stage
+    each; pp_size = 1: data parallel)."""
 
-    replicas: int
-    stages: int
+    dp_size: int
+    pp_size: int
     schedule: str | None = None  # None for data parallel
     microbatches: int = 1
     fp16_allreduce: bool = False
 
     @property
     def strategy(self) -> str:
-        if self.stages == 1:
-            return "data" if self.replicas > 1 else "single"
-        return "pipeline" if self.replicas == 1 else "hybrid"
+        if self.pp_size == 1:
+            return "data" if self.dp_size > 1 else "single"
+        return "pipeline" if self.dp_size == 1 else "hybrid"
 
     def flags(self) -> list[str]:
         """ringtrain train's flags for this configuration."""
         out = ["--strategy", self.strategy]
         if self.strategy == "hybrid":
-            out += ["--pp-size", str(self.stages)]
+            out += ["--pp-size", str(self.pp_size)]
         if self.schedule:
             out += ["--schedule", self.schedule, "--microbatches", str(self.microbatches)]
         if self.fp16_allreduce:
@@ -186,7 +189,7 @@ class Candidate:
         if self.schedule:
             name += f" {self.schedule} M={self.microbatches}"
         if self.strategy == "hybrid":
-            name = f"hybrid {self.replicas}x{self.stages} {self.schedule} M={self.microbatches}"
+            name = f"hybrid {self.dp_size}x{self.pp_size} {self.schedule} M={self.microbatches}"
         return name + (" fp16 (lossy)" if self.fp16_allreduce else "")
 
 
@@ -205,8 +208,8 @@ class Prediction:
         return {
             "configuration": self.candidate.label(),
             "flags": self.candidate.flags(),
-            "replicas": self.candidate.replicas,
-            "stages": self.candidate.stages,
+            "replicas": self.candidate.dp_size,
+            "stages": self.candidate.pp_size,
             "step_ms": self.step_seconds * 1e3,
             "samples_per_sec": self.samples_per_second,
             "compute_ms": self.compute_seconds * 1e3,
@@ -254,32 +257,33 @@ def predict_data_parallel(cal: Calibration, ranks: int, nodes: int, batch: int, 
 
 def predict_pipeline(cal: Calibration, candidate: Candidate, nodes: int, batch: int):
     """D replicas of a P-stage pipeline: the simulator's makespan, then the replica average."""
-    stages, replicas = candidate.stages, candidate.replicas
-    microbatch = batch / replicas / candidate.microbatches
+    pp_size, dp_size = candidate.pp_size, candidate.dp_size
+    microbatch = batch / dp_size / candidate.microbatches
     elements = cal.elements
-    bounds = balanced([e.time("F", microbatch) + e.time("B", microbatch) for e in elements], stages)
+    f_and_b = [e.time(Op.F, microbatch) + e.time(Op.B, microbatch) for e in elements]
+    bounds = balanced(f_and_b, pp_size)
     seconds = {}
     for s, bound in enumerate(bounds):
         ranged = {op: _linear(fit, microbatch) for op, fit in cal.stages[bound].items()}
-        extra = executor_overhead(cal, s == 0, s == stages - 1, microbatch)
+        extra = executor_overhead(cal, s == 0, s == pp_size - 1, microbatch)
         # with a saved tape BI makes every gradient (a B less its adds), and BW only adds
-        ranged["BI"] = max(ranged["B"] - ranged["BW"], 0.0)
-        extra["BI"], extra["BW"] = extra["B"], 0.0
-        for op in ("F", "B", "BI", "BW", "STEP"):
+        ranged[Op.BI] = max(ranged[Op.B] - ranged[Op.BW], 0.0)
+        extra[Op.BI], extra[Op.BW] = extra[Op.B], 0.0
+        for op in (*COMPUTE, Op.STEP):
             seconds[(s, op)] = ranged[op] + extra.pop(op)
         seconds.update({(s, op): value for op, value in extra.items()})
     boundary = [int(elements[b - 1].output_floats * FLOAT_BYTES * microbatch) for _, b in bounds]
-    ranks_per_node = replicas * stages // nodes
-    pipeline_spans_nodes = stages > ranks_per_node
+    ranks_per_node = dp_size * pp_size // nodes
+    pipeline_spans_nodes = pp_size > ranks_per_node
     link = cal.link(cal.p2p, pipeline_spans_nodes)
-    schedule = send_when_made(build_schedule(candidate.schedule, stages, candidate.microbatches))
+    schedule = send_when_made(build_schedule(candidate.schedule, pp_size, candidate.microbatches))
     sim = predict(schedule, seconds, link, boundary)
     average, peak = 0.0, 0
     runtime = cal.pipeline_runtime_bytes
     for s, (a, b) in enumerate(bounds):
         grad_bytes = _weights_bytes(cal, range(a, b), candidate.fp16_allreduce)[1]
-        replica_link = cal.link(cal.allreduce, replicas > 1 and nodes > 1)
-        average = max(average, allreduce_seconds(replica_link, replicas, grad_bytes))
+        replica_link = cal.link(cal.allreduce, dp_size > 1 and nodes > 1)
+        average = max(average, allreduce_seconds(replica_link, dp_size, grad_bytes))
         own = _stage_bytes(cal, range(a, b), sim.peak_inflight[s], microbatch, False)
         peak = max(peak, cal.baseline_bytes + runtime + own)
     compute = max(sim.busy)
@@ -306,10 +310,10 @@ def executor_overhead(
             for key, value in ref["seconds"].items():
                 stage, op = re.fullmatch(r"(\d+)(\D.*)", key).groups()
                 if int(stage) == r:
-                    beyond = value - compute[op] if op in ("F", "B", "STEP") else value
+                    beyond = value - compute[op] if op in _STAGE_TIMED else value
                     found.setdefault(op, []).append(beyond)
         at[ref["microbatch"]] = {op: sum(v) / len(v) for op, v in found.items()}
-    ops = {op for values in at.values() for op in values} | {"F", "B", "STEP"}
+    ops = {op for values in at.values() for op in values} | set(_STAGE_TIMED)
     sizes = sorted(at)
     extra = {}
     for op in ops:
@@ -333,12 +337,12 @@ def candidates(ranks: int, elements: int, microbatch_counts: list[int]) -> list[
     found = [Candidate(ranks, 1)]
     if ranks > 1:
         found.append(Candidate(ranks, 1, fp16_allreduce=True))
-    for stages in range(2, min(ranks, elements) + 1):
-        if ranks % stages:
+    for pp_size in range(2, min(ranks, elements) + 1):
+        if ranks % pp_size:
             continue
         for kind in SCHEDULE_KINDS:
             for m in microbatch_counts:
-                found.append(Candidate(ranks // stages, stages, kind, m))
+                found.append(Candidate(ranks // pp_size, pp_size, kind, m))
     return found
 
 
@@ -354,9 +358,9 @@ def plan(
     ranks = nodes * ranks_per_node
     found = []
     for c in candidates(ranks, len(cal.elements), list(microbatch_counts)):
-        if batch % (c.replicas * c.microbatches):
+        if batch % (c.dp_size * c.microbatches):
             continue
-        if c.stages == 1:
+        if c.pp_size == 1:
             p = predict_data_parallel(cal, ranks, nodes, batch, c.fp16_allreduce)
         else:
             p = predict_pipeline(cal, c, nodes, batch)

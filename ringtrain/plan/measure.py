@@ -23,7 +23,8 @@ from statistics import median
 import numpy as np
 
 from ringtrain.plan.costmodel import fit_line
-from ringtrain.runtime import resident_bytes
+from ringtrain.proc import resident_bytes
+from ringtrain.timing import horovod_sum, slowest_rank_seconds, timed_steps
 
 ALLREDUCE_SIZES = (4 << 10, 256 << 10, 4 << 20)
 P2P_SIZES = (64, 64 << 10, 1 << 20)
@@ -175,7 +176,6 @@ def _engine_steps(spec, data, args, world) -> tuple[dict[str, float], int]:
     its median block, so a slow stretch of a noisy machine or link decides neither. What a
     step takes beyond its compute and a lone allreduce of the bytes it sends is the per-step
     cost the cost model adds to each data-parallel prediction of its kind."""
-    from ringtrain.bench.roofline_worker import timed_steps
     from ringtrain.config import TrainConfig
     from ringtrain.data import epoch_batches
     from ringtrain.dataparallel.engine import DataParallelEngine
@@ -210,8 +210,6 @@ def _allreduce(comm, grad_bytes: int) -> list[tuple[int, float]]:
     the slowest rank's mean over REPEATS calls back to back, after a first that negotiates.
     The model's gradient bytes, and their half (fp16), are among the sizes, so the data-parallel
     predictions read a time measured at their own size."""
-    from ringtrain.bench.allreduce_worker import horovod_sum, slowest_rank_seconds
-
     fp16_bytes = grad_bytes // 8 * 4  # fp16 halves the bytes; timed as whole float32s
     sizes = sorted({*ALLREDUCE_SIZES, max(grad_bytes, 4), max(fp16_bytes, 4)})
     return [

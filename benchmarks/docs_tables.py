@@ -1,7 +1,8 @@
-"""Regenerate the README's performance section from benchmarks/results/*.json.
+"""Regenerate the performance pages' tables, docs/performance/*.md, from benchmarks/results/*.json.
 
-    python benchmarks/readme_tables.py      # rewrites the block between the markers
-Numbers are never typed by hand: this script is the only writer of that block.
+    python benchmarks/docs_tables.py          # rewrites the block between each page's markers
+    python benchmarks/docs_tables.py --check  # exit 1 naming every page that is out of date
+Numbers are never typed by hand: this script is the only writer of those blocks.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from pathlib import Path
 from ringtrain.bench.allreduce import HOROVOD_CALLS, MPI_CALLS, size_label
 
 ROOT = Path(__file__).resolve().parents[1]
+PAGES = ROOT / "docs" / "performance"
+RESULTS = ROOT / "benchmarks" / "results"
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
 
@@ -70,10 +73,8 @@ def pipeline_table(report: dict) -> str:
         "measured step, less 1) are the medians of each round's prediction against that "
         "round's measurement."
     )
-    name = Path(report.get("png", "benchmarks/results/pipeline.png")).name
-    picture = f"![pipeline benchmark](benchmarks/results/{name})"
     limit = _one_f_one_b_limit(report)
-    return "\n".join([intro, "", *lines, "", *limit, f"Targets: {met}.", "", picture])
+    return "\n".join([intro, "", *lines, "", *limit, f"Targets: {met}."])
 
 
 def _one_f_one_b_limit(report: dict) -> list[str]:
@@ -164,10 +165,7 @@ def strategies_table(report: dict) -> str:
         "reduced once when read, and of the collective implementations and inter-op threads "
         f"swept it ran fastest with {_tuned(report['mwms_tuning']['chosen'])}."
     )
-    picture = "![strategies benchmark](benchmarks/results/strategies.png)"
-    return "\n".join(
-        [intro, "", *lines, "", f"Targets: {'; '.join(verdicts)}.", *failed, "", picture]
-    )
+    return "\n".join([intro, "", *lines, "", f"Targets: {'; '.join(verdicts)}.", *failed])
 
 
 def allreduce_table(report: dict) -> str:
@@ -219,8 +217,7 @@ def allreduce_table(report: dict) -> str:
             else ""
         )
     )
-    picture = "![allreduce benchmark](benchmarks/results/allreduce.png)"
-    return "\n".join([intro, "", *lines, "", f"Targets: {'; '.join(verdicts)}.", "", picture])
+    return "\n".join([intro, "", *lines, "", f"Targets: {'; '.join(verdicts)}."])
 
 
 def _mwms(workload: dict) -> str:
@@ -318,38 +315,69 @@ def plan_table(report: dict) -> str:
     return "\n\n".join(parts)
 
 
-SECTIONS = {
-    "pipeline": pipeline_table,
-    "pipeline-cluster": pipeline_table,
-    "strategies": strategies_table,
-    "allreduce": allreduce_table,
-    "dp": dp_table,
-    "dp-cluster": dp_table,
-    "dp-cluster-capped": dp_table,
-    "plan-cluster-2gbit": plan_table,
-    "plan-cluster-200mbit": plan_table,
+# Each page's generated block: the results it shows, in order (a name whose JSON is missing is
+# left out), and whether the simulated table of more stages follows them.
+PAGE_RESULTS = {
+    "allreduce.md": (("allreduce", allreduce_table),),
+    "data-parallel.md": (
+        ("dp", dp_table),
+        ("dp-cluster", dp_table),
+        ("dp-cluster-capped", dp_table),
+    ),
+    "strategies.md": (("strategies", strategies_table),),
+    "pipeline.md": (("pipeline", pipeline_table), ("pipeline-cluster", pipeline_table)),
+    "planning.md": (
+        ("plan-cluster-2gbit", plan_table),
+        ("plan-cluster-200mbit", plan_table),
+    ),
 }
+SIMULATED_ON = "pipeline.md"
 
 
-def main() -> None:
-    readme = ROOT / "README.md"
-    text = readme.read_text()
-    if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
-        sys.exit(
-            f"readme_tables: {readme} needs one {BEGIN} line and, after it, one {END} line "
-            "where the performance section goes; add them and run this again"
-        )
+def generated_block(page: str) -> str:
+    """The text between a page's markers, from the results as they are on disk now."""
     sections = []
-    for name, table in SECTIONS.items():
-        path = ROOT / "benchmarks" / "results" / f"{name}.json"
+    for name, table in PAGE_RESULTS[page]:
+        path = RESULTS / f"{name}.json"
         if path.exists():
             sections.append(table(json.loads(path.read_text())))
-    sections.append(simulated_stages_table())
-    body = "\n\n".join(sections) or "(no results yet: run `ringtrain bench ...` first)"
+        if (RESULTS / f"{name}.png").exists():  # the site publishes the plots at results/
+            sections.append(f"![{name} benchmark](../results/{name}.png)")
+    if page == SIMULATED_ON:
+        sections.append(simulated_stages_table())
+    return "\n\n".join(sections) or "(no results yet: run `ringtrain bench ...` first)"
+
+
+def regenerated(path: Path) -> str:
+    """The page with its block rewritten; one line and exit 1 when its markers are not right."""
+    text = path.read_text()
+    if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
+        sys.exit(
+            f"docs_tables: {path.relative_to(ROOT)} needs one {BEGIN} line and, after it, one "
+            f"{END} line where the tables go; add them and run this again"
+        )
     head, rest = text.split(BEGIN)
     _, tail = rest.split(END)
-    readme.write_text(f"{head}{BEGIN}\n{body}\n{END}{tail}")
+    return f"{head}{BEGIN}\n{generated_block(path.name)}\n{END}{tail}"
+
+
+def main(argv: list[str]) -> None:
+    check = argv == ["--check"]
+    if argv and not check:
+        sys.exit("usage: python benchmarks/docs_tables.py [--check]")
+    stale = []
+    for page in PAGE_RESULTS:
+        path = PAGES / page
+        text = regenerated(path)
+        if text != path.read_text():
+            stale.append(path.relative_to(ROOT).as_posix())
+            if not check:
+                path.write_text(text)
+    if check and stale:
+        sys.exit(
+            f"docs_tables: out of date: {', '.join(stale)}; run python benchmarks/docs_tables.py"
+        )
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -1,0 +1,125 @@
+"""The checks of a whole training configuration: its flags together, and the pipeline they make.
+
+Each value alone is checked from its declaration (config.check_values); the rules here tie
+flags to each other, to the world size and to the schedule, which the pure schedule core builds
+in milliseconds. All of it depends only on the flags and the world size, so every rank reaches
+the same verdict before the first collective and no rank is left waiting for another.
+"""
+
+from __future__ import annotations
+
+from ringtrain.config import TrainConfig, check_paths, check_values, pp_size_of
+from ringtrain.errors import UserError
+from ringtrain.pipeline.schedule import pipeline_schedule
+from ringtrain.pipeline.tags import MPI_TAG_LIMIT, message_tag
+
+
+def validate(cfg: TrainConfig, world_size: int, n_elements: int | None = None) -> None:
+    """Raise UserError for the first problem in the flags or the output paths."""
+    validate_flags(cfg, world_size, n_elements)
+    check_paths(cfg)
+
+
+def validate_flags(cfg: TrainConfig, world_size: int, n_elements: int | None = None) -> None:
+    """Pure: the same flags give the same answer on every rank, before any collective."""
+    check_values(cfg)
+    if cfg.epochs is not None and cfg.steps is not None:
+        raise UserError("give either --epochs or --steps, not both")
+    if cfg.loop == "fit" and cfg.strategy not in ("single", "data"):
+        raise UserError(f"--loop fit drives data parallelism only, not --strategy {cfg.strategy}")
+    if cfg.loop == "fit" and cfg.accumulate > 1:
+        raise UserError("--accumulate needs --loop custom (model.fit steps once per batch)")
+    if cfg.bucket_mb is not None and (cfg.strategy != "data" or cfg.loop != "custom"):
+        raise UserError("--bucket-mb buckets the allreduce of --strategy data --loop custom")
+    if cfg.strategy == "single" and world_size > 1:
+        raise UserError(f"--strategy single runs on one rank, but {world_size} were launched")
+    if cfg.strategy == "hybrid":
+        if cfg.pp_size is None or cfg.pp_size < 1:
+            raise UserError(
+                "--strategy hybrid needs --pp-size P (stages per pipeline) of 1 or more"
+            )
+        if world_size % cfg.pp_size:
+            raise UserError(f"world size {world_size} is not divisible by --pp-size {cfg.pp_size}")
+    if cfg.strategy == "model" and cfg.microbatches != 1:
+        raise UserError("--strategy model is the naive split with one microbatch; use pipeline")
+    pp_size = pp_size_of(cfg, world_size)
+    dp_size = world_size // pp_size
+    _validate_pipeline(cfg, pp_size, n_elements)
+    per_replica, rest = divmod(cfg.batch_size, dp_size)
+    if rest:
+        raise UserError(
+            f"global batch {cfg.batch_size} is not divisible by {dp_size} data-parallel ranks"
+        )
+    if per_replica % cfg.microbatches:
+        raise UserError(
+            f"batch {per_replica} per replica is not divisible by --microbatches {cfg.microbatches}"
+        )
+    if pp_size == 1 and per_replica % cfg.accumulate:
+        raise UserError(
+            f"batch {per_replica} per rank is not divisible by --accumulate {cfg.accumulate}"
+        )
+    _validate_checkpointing(cfg)
+    if cfg.tensorboard and cfg.loop == "fit":
+        raise UserError("--tensorboard needs --loop custom (model.fit keeps its own loop)")
+
+
+def _validate_pipeline(cfg: TrainConfig, pp_size: int, n_elements: int | None) -> None:
+    """The schedule fits the pipeline: its kind, virtual stages, microbatches, a file's ranks,
+    the model's elements and the MPI tags its messages need."""
+    plain = cfg.strategy == "hybrid" and cfg.pp_size == 1  # data parallelism: no stages
+    if cfg.strategy not in ("model", "pipeline", "hybrid") or plain:
+        strategy = "hybrid --pp-size 1" if plain else cfg.strategy
+        for flag, given in (
+            ("--recompute", cfg.recompute),
+            ("--virtual-stages", cfg.virtual_stages > 1),
+        ):
+            if given:
+                raise UserError(f"{flag} is for pipeline stages, not --strategy {strategy}")
+        return
+    if cfg.virtual_stages > 1 and cfg.schedule != "interleaved":
+        raise UserError(
+            f"--virtual-stages {cfg.virtual_stages} needs --schedule interleaved, "
+            f"not {cfg.schedule}"
+        )
+    if cfg.schedule == "interleaved" and cfg.microbatches % pp_size:
+        raise UserError(
+            f"--schedule interleaved needs --microbatches ({cfg.microbatches}) to be a "
+            f"multiple of the {pp_size} pipeline ranks"
+        )
+    schedule = pipeline_schedule(cfg, pp_size)
+    if schedule.pp_size != pp_size:
+        raise UserError(
+            f"--schedule {cfg.schedule} is for {schedule.pp_size} pipeline ranks, "
+            f"but this run has {pp_size}"
+        )
+    if schedule.microbatches != cfg.microbatches:
+        raise UserError(
+            f"--schedule {cfg.schedule} has {schedule.microbatches} microbatches, "
+            f"but --microbatches is {cfg.microbatches}"
+        )
+    if n_elements is not None and schedule.n_stages > n_elements:
+        raise UserError(
+            f"{schedule.n_stages} pipeline stages but model {cfg.model!r} has only "
+            f"{n_elements} layers"
+        )
+    if message_tag(schedule.n_stages, cfg.microbatches, schedule.n_stages) > MPI_TAG_LIMIT:
+        raise UserError(
+            f"{schedule.n_stages} stages x {cfg.microbatches} microbatches need MPI tags above "
+            f"{MPI_TAG_LIMIT}; use fewer microbatches"
+        )
+
+
+def _validate_checkpointing(cfg: TrainConfig) -> None:
+    needs_dir = [
+        f
+        for f, on in (
+            ("--resume", cfg.resume),
+            ("--stop-after", cfg.stop_after),
+            ("--checkpoint-every", cfg.checkpoint_every),
+        )
+        if on
+    ]
+    if needs_dir and not cfg.checkpoint_dir:
+        raise UserError(f"{needs_dir[0]} needs --checkpoint-dir DIR")
+    if cfg.checkpoint_dir and cfg.loop == "fit":
+        raise UserError("--checkpoint-dir needs --loop custom (model.fit keeps its own loop)")
