@@ -42,7 +42,15 @@ def last_words(log: Path) -> str:
     except OSError:
         return "no output"
     said = [ln for ln in lines if ln and not ln.startswith(noise)]
+    if said and _is_rule(said[-1]):  # Open MPI ends with a banner: its headline says what failed
+        rules = [i for i, ln in enumerate(said) if _is_rule(ln)]
+        opening = rules[-2] if len(rules) > 1 else -1
+        return said[opening + 1][:300]
     return said[-1][:300] if said else "no output"
+
+
+def _is_rule(line: str) -> bool:
+    return set(line) <= {"-", "="}
 
 
 def run_bounded(

@@ -21,11 +21,12 @@ from reference import ReferenceRun, compare_with, train_reference
 
 from ringtrain import loop, runtime
 from ringtrain.api import make_engine
-from ringtrain.config import TrainConfig, pipeline_stages, validate
+from ringtrain.config import TrainConfig, pp_size_of
 from ringtrain.data import load_digits
 from ringtrain.guard import Watchdog
 from ringtrain.models import BUILTIN
 from ringtrain.pipeline.grid import Grid
+from ringtrain.validation import validate
 
 DATA = load_digits()
 # The CLI's defaults (Adam, --lr 0.003) on a global batch that odd M and 2-5 ranks all divide.
@@ -235,12 +236,12 @@ def run_strategy(cfg: TrainConfig, world: runtime.World, sets: dict) -> tuple[di
 
         return watched(lambda dog: fit(spec, DATA, cfg, world, dog), cfg)
     if cfg.strategy == "hybrid" and cfg.pp_size > 1:
-        stage_sets = Grid(world.size, cfg.pp_size).stage_sets()
-        world = replace(world, process_sets=[sets[tuple(s)] for s in stage_sets])
+        dp_groups = Grid(world.size, cfg.pp_size).dp_groups()
+        world = replace(world, process_sets=[sets[tuple(g)] for g in dp_groups])
 
     def train(dog: Watchdog) -> tuple[dict, dict | None]:
-        engine, replicas = make_engine(spec, DATA, cfg, world)
-        return loop.run(engine, DATA, cfg, world, replicas, dog), engine.gather_weights()
+        engine, dp_size = make_engine(spec, DATA, cfg, world)
+        return loop.run(engine, DATA, cfg, world, dp_size, dog), engine.gather_weights()
 
     return watched(train, cfg)
 
@@ -278,7 +279,7 @@ def main() -> None:
         tuple(s)
         for c in configs + resume_grid(size)
         if c.strategy == "hybrid" and c.pp_size > 1
-        for s in Grid(size, c.pp_size).stage_sets()
+        for s in Grid(size, c.pp_size).dp_groups()
     }
     world = runtime.start(with_horovod=True, process_sets=[list(s) for s in sorted(needed)])
     sets = dict(zip(sorted(needed), world.process_sets, strict=True))
@@ -288,7 +289,7 @@ def main() -> None:
             report = {
                 "config": {k: v for k, v in cfg.as_dict().items() if k in REPORTED},
                 "world_size": world.size,
-                "stages": pipeline_stages(cfg, world.size),
+                "pp_size": pp_size_of(cfg, world.size),
                 **compare_with(reference(cfg), weights, metrics["losses"], cfg.fp16_allreduce),
                 "replica_checksums": metrics.get("replica_checksums"),
                 "peak_inflight": metrics.get("peak_inflight"),

@@ -56,10 +56,19 @@ def test_data_parallel_resume_is_bit_for_bit(grid_checks):
     assert {c["config"]["model"] for c in checks} == {"mlp", "transformer"}
 
 
+# Two launches carry the CLI's data-parallel flags, whose numerics grid_checks holds to the
+# reference flag by flag above: the custom loop with --accumulate, held to the tight bound,
+# and model.fit with --fp16-allreduce, held to fp16's.
 @pytest.mark.parametrize(
-    "extra", [[], ["--accumulate", "2"], ["--fp16-allreduce"], ["--loop", "fit"]]
+    "extra, passed",
+    [
+        (["--accumulate", "2"], {"loop": "custom", "accumulate": 2, "fp16_allreduce": False}),
+        (["--loop", "fit", "--fp16-allreduce"], {"loop": "fit", "fp16_allreduce": True}),
+    ],
 )
-def test_cli_data_parallel_matches_the_independent_reference(tmp_path, cli_reference, extra):
+def test_cli_data_parallel_matches_the_independent_reference(
+    tmp_path, cli_reference, extra, passed
+):
     _, report = train_matches_reference(
         cli_reference,
         tmp_path,
@@ -81,6 +90,7 @@ def test_cli_data_parallel_matches_the_independent_reference(tmp_path, cli_refer
     ):
         assert key in report
     assert report["world_size"] == 2 and report["steps"] == 5 and len(report["losses"]) == 5
+    assert {k: report["config"][k] for k in passed} == passed  # the flags reached the run
 
 
 def test_default_run_under_horovodrun_reaches_95_percent_and_loads_into_single_model(tmp_path):

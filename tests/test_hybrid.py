@@ -20,11 +20,11 @@ from ringtrain.pipeline.grid import Grid
 def test_hybrid_grids_2x2_4x1_1x4_match_the_independent_reference(grid_checks):
     results = grid_checks.results(4, "hybrid")
     assert_matches_reference(results)
-    assert {r["stages"] for r in results} == {1, 2, 4}
+    assert {r["pp_size"] for r in results} == {1, 2, 4}
     for r in results:
-        grid = Grid(4, r["stages"])
+        grid = Grid(4, r["pp_size"])
         sums = r["replica_checksums"]  # every replica of a stage holds the same weights
-        for ranks in grid.stage_sets():
+        for ranks in grid.dp_groups():
             assert len({sums[rank] for rank in ranks}) == 1, r
 
 
@@ -129,5 +129,6 @@ def test_grid_of_8_ranks_as_2_pipelines_of_4_keeps_pipelines_on_consecutive_rank
     grid = Grid(8, 4)
     print(grid.describe())
     assert grid.pipeline_ranks(0) == [0, 1, 2, 3] and grid.pipeline_ranks(1) == [4, 5, 6, 7]
-    assert grid.stage_sets() == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert [grid.stage_of(r) for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert grid.dp_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert [grid.pp_rank(r) for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert [grid.dp_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]

@@ -4,7 +4,9 @@
   power loss looks from outside) ends every launcher's run within --comm-timeout + 30 s, with
   a non-zero exit, a line naming the lost rank and its host, and nothing of the job left
   running in any namespace. Six launches (data, pipeline and hybrid under mpirun, data under
-  horovodrun, data and pipeline under srun inside sbatch) each meet both faults.
+  horovodrun, data and pipeline under srun inside sbatch) each meet both faults. horovodrun
+  is started bare from the activated venv, with no keepalive flag or variable of its own: the
+  venv's default bounds it.
 - A slow link is no false alarm: runs whose steps take longer than --comm-timeout complete
   with the weights of single-process training.
 - A requeued job finishes on the node that is left: the writer of a checkpoint freezes between
@@ -13,16 +15,18 @@
   parallel and hybrid resume from the previous checkpoint and end with the weights of an
   uninterrupted run, while a pipeline that would need more stages is refused in one line.
 
-One cluster (24 nodes, 2 CPUs each, Slurm) serves every test: the twelve fault runs take a
-pair each; the requeue test uses node1 to node4 as two pairs, and the slow-link runs go on in
-the background on node5 to node8 while Slurm requeues.
-Each test heals the nodes it hurt, and the cluster is taken down even when a test failed.
+The session's shared cluster (conftest.rehearsal_cluster: 24 nodes, 2 CPUs each, Slurm)
+serves every test: the twelve fault runs take a pair each; the requeue test uses node1 to
+node4 as two pairs, and the slow-link runs go on in the background on node5 to node8 while
+Slurm requeues. Each test heals the nodes it hurt and gives back the links it slowed, so the
+cluster serves the tests after it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -32,38 +36,41 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import BIN, ENV, ROOT, compare_weight_files, run
+from conftest import (
+    BIN,
+    ENV,
+    REHEARSAL_LINK,
+    REHEARSAL_NODES,
+    ROOT,
+    cluster,
+    compare_weight_files,
+    run,
+)
 
 from ringtrain.cluster import layout as cluster_layout
+from ringtrain.cluster.control import TBF_BURST, TBF_LATENCY
 from ringtrain.cluster.system import netns_pids, pids_with_environment
-from ringtrain.comm import transfer_time, waited
-from ringtrain.launch.network import KEEPALIVE as KEEPALIVE_MCA
+from ringtrain.deadline import transfer_time, waited
 from ringtrain.launch.network import mpirun_flags
 
 CLI = str(BIN / "ringtrain")
-STATE = cluster_layout.STATE_DIR
 CIDR = cluster_layout.DEFAULT_SUBNET
 TIMEOUT = 20  # --comm-timeout, above the launchers' 11 s keepalive (see the README)
 BOUND = TIMEOUT + 30
 JOB_PROGRAMS = ("python", "ringtrain", "orted", "srun", "slurmstepd", "mpirun", "slurm_script")
-KEEPALIVE = " ".join(f"--mca {k} {v}" for k, v in KEEPALIVE_MCA.items())
 FREEZE = "RINGTRAIN_TEST_CRASH_BEFORE_MANIFEST"
-NODES = 24  # a pair for each of twelve runs: six launches, each partitioned and powered off
-ALL_NODES = tuple(f"node{n}" for n in range(1, NODES + 1))
+# a pair for each of twelve runs: six launches, each partitioned and powered off
+ALL_NODES = tuple(f"node{n}" for n in range(1, REHEARSAL_NODES + 1))
 
 
 def test_a_deadline_adds_the_bytes_at_the_minimum_rate():
-    """The rule of comm.py: --comm-timeout plus the message's bytes at --min-link-rate."""
+    """The rule of deadline.py: --comm-timeout plus the message's bytes at --min-link-rate."""
     assert transfer_time(5_000_000, 2.5) == pytest.approx(2.0)
     assert waited(20, transfer_time(5_000_000, 2.5)) == "20 s (+2.0 s for the bytes)"
     assert waited(8, transfer_time(1000)) == "8 s"  # small messages: the timeout alone
 
 
 # ---- the cluster -------------------------------------------------------------------------
-
-
-def cluster(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return run([CLI, "cluster", *args], timeout=timeout)
 
 
 def fault(node: str, kind: str) -> None:
@@ -79,16 +86,9 @@ def fault_started(node: str, kind: str) -> subprocess.Popen:
 
 
 @pytest.fixture(scope="module")
-def slurm_env() -> Iterator[dict[str, str]]:
-    """The 24-node cluster with Slurm, and the environment its clients need."""
-    done = cluster("up", "--nodes", str(NODES), "--cpus-per-node", "2", "--slurm")
-    if done.returncode != 0:
-        lines = done.stderr.strip().splitlines() or [f"exit {done.returncode}"]
-        pytest.fail(f"ringtrain cluster up --nodes 4 --slurm failed: {lines[-1]}")
-    try:
-        yield {**ENV, "SLURM_CONF": str(STATE / "slurm" / "etc" / "slurm.conf")}
-    finally:
-        cluster("down")
+def slurm_env(rehearsal_cluster) -> dict[str, str]:
+    """The environment the shared cluster's Slurm clients need."""
+    return rehearsal_cluster.env
 
 
 @pytest.fixture(scope="module")
@@ -255,16 +255,18 @@ def start_run(
         return Run(name, log, first, job_id=job)
     per_node = 2 if strategy == "hybrid" else 1
     hosts = ["-H", f"{first}:{per_node},{second}:{per_node}"]
+    env = launcher_env()
     if name.startswith("horovodrun"):
-        command = [
-            *("horovodrun", "-np", "2", *hosts, "--network-interface", "eth0"),
-            f"--mpi-args=--mca oob_tcp_if_include {CIDR} {KEEPALIVE}",
-        ]
+        # As the docs start it: a bare horovodrun in the activated venv, no flag on the line
+        # and no Open MPI variable of the test's, so the bound comes from the venv's default.
+        bare = shlex.join(["horovodrun", "-np", "2", *hosts, *train_args(strategy)])
+        command = ["bash", "-c", f"source {ROOT}/.venv/bin/activate && exec {bare}"]
+        env = {k: v for k, v in env.items() if not k.startswith("OMPI_MCA_")}
     else:
         command = ["mpirun", *mpirun_flags(CIDR), "-np", str(2 * per_node), *hosts]
-    with log.open("w") as out:
         command += train_args(strategy)
-        process = subprocess.Popen(command, stdout=out, stderr=out, env=launcher_env())
+    with log.open("w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=out, env=env)
     return Run(name, log, first, process=process)
 
 
@@ -342,18 +344,17 @@ def test_a_partition_and_a_power_loss_end_every_launcher_s_run_and_name_the_lost
 # ---- a slow link ---------------------------------------------------------------------------
 
 
-def cap(node: str, rate: str) -> None:
+def cap(node: str, rate: str, burst: str = "4kb", latency: str = "1s") -> None:
     """Both directions of a node's link, as `ringtrain cluster up --link` caps them."""
-    tbf = ["root", "tbf", "rate", rate, "burst", "4kb", "latency", "1s"]
+    tbf = ["root", "tbf", "rate", rate, "burst", burst, "latency", latency]
     veth = f"{cluster_layout.PREFIX}{node}"
     subprocess.run(["tc", "qdisc", "replace", "dev", veth, *tbf], check=True)
     subprocess.run(["tc", "-n", veth, "qdisc", "replace", "dev", "eth0", *tbf], check=True)
 
 
-def uncap(node: str) -> None:
-    veth = f"{cluster_layout.PREFIX}{node}"
-    subprocess.run(["tc", "qdisc", "del", "dev", veth, "root"], check=False)
-    subprocess.run(["tc", "-n", veth, "qdisc", "del", "dev", "eth0", "root"], check=False)
+def restore_link(node: str) -> None:
+    """The shared cluster's own cap again, for the tests after this one."""
+    cap(node, REHEARSAL_LINK, TBF_BURST, TBF_LATENCY)
 
 
 SLOW_FLAGS = ["--model", "mlp", "--steps", "3", "--seed", "3", "--batch-size", "256"]
@@ -387,7 +388,7 @@ def slow_link_runs(slurm_env, launcher_env, tmp_path_factory) -> Iterator[tuple[
             if job.poll() is None:
                 job.kill()
         for _, second in SLOW_PAIRS.values():
-            uncap(second)
+            restore_link(second)
 
 
 # ---- requeue on fewer nodes ----------------------------------------------------------------

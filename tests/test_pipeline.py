@@ -14,7 +14,7 @@ from conftest import (
 )
 
 from ringtrain.errors import EXIT_USAGE
-from ringtrain.pipeline.ir import Schedule
+from ringtrain.pipeline.ir import Op, Schedule
 from ringtrain.pipeline.schedule import build_schedule
 
 pytestmark = pytest.mark.mpi
@@ -28,34 +28,34 @@ def rank_peaks(schedule: Schedule) -> list[int]:
     for row in schedule.actions:
         held = peak = 0
         for a in row:
-            held += (a.op == "F") - (a.op in ("B", "BW"))
+            held += (a.op is Op.F) - a.op.ends_microbatch
             peak = max(peak, held)
         peaks.append(peak)
     return peaks
 
 
-@pytest.mark.parametrize("stages", [2, 3, 4])
-def test_pipeline_and_model_parallel_match_the_independent_reference(stages, grid_checks):
-    results = grid_checks.results(stages, "pipeline", "model")
+@pytest.mark.parametrize("pp_size", [2, 3, 4])
+def test_pipeline_and_model_parallel_match_the_independent_reference(pp_size, grid_checks):
+    results = grid_checks.results(pp_size, "pipeline", "model")
     assert_matches_reference(results)
     for r in results:
         c, m = r["config"], r["config"]["microbatches"]
-        assert r["stages"] == stages
-        schedule = build_schedule(c["schedule"], stages, m, c["virtual_stages"])
+        assert r["pp_size"] == pp_size
+        schedule = build_schedule(c["schedule"], pp_size, m, c["virtual_stages"])
         assert r["peak_inflight"] == rank_peaks(schedule), r
         # Memory: 1F1B holds at most min(P - s, M) microbatches at stage s, GPipe holds M,
         # ZB-H1 at most P on every stage.
         if c["schedule"] in ("gpipe", "1f1b"):
             expected = [
-                m if c["schedule"] == "gpipe" else min(stages - s, m) for s in range(stages)
+                m if c["schedule"] == "gpipe" else min(pp_size - s, m) for s in range(pp_size)
             ]
             assert r["peak_inflight"] == expected, r
         if c["schedule"] == "zb-h1":
-            assert max(r["peak_inflight"]) <= stages, r
+            assert max(r["peak_inflight"]) <= pp_size, r
     kinds = {(r["config"]["strategy"], r["config"]["schedule"]) for r in results}
     assert {("model", "1f1b"), ("pipeline", "gpipe"), ("pipeline", "1f1b")} <= kinds
     assert any(r["config"]["microbatches"] in (3, 5) for r in results)  # odd M
-    if stages == 2:
+    if pp_size == 2:
         assert any(r["config"]["sync_sends"] for r in results)  # Ssend: no reliance on buffering
         assert any(r["config"]["clip_norm"] for r in results)
 
@@ -66,10 +66,10 @@ def test_interleaved_and_zero_bubble_cover_their_grid(grid_checks):
     transformer with SGD and Adam; each once with and without --recompute."""
     every = [r for ranks in (2, 3, 4) for r in grid_checks.results(ranks, "pipeline")]
     runs = {kind: [r for r in every if r["config"]["schedule"] == kind] for kind in SPLIT}
-    interleaved = {(r["stages"], r["config"]["virtual_stages"]) for r in runs["interleaved"]}
+    interleaved = {(r["pp_size"], r["config"]["virtual_stages"]) for r in runs["interleaved"]}
     assert interleaved == {(2, 2)}
     assert {r["config"]["microbatches"] for r in runs["interleaved"]} == {2, 4, 6}
-    cells = {(r["stages"], r["config"]["microbatches"]) for r in runs["zb-h1"]}
+    cells = {(r["pp_size"], r["config"]["microbatches"]) for r in runs["zb-h1"]}
     assert cells == {(p, m) for p in (2, 3, 4) for m in (1, 3, 8)}
     for kind, results in runs.items():
         pairs = {(r["config"]["model"], r["config"]["optimizer"]) for r in results}
@@ -80,7 +80,7 @@ def test_interleaved_and_zero_bubble_cover_their_grid(grid_checks):
     assert all(
         r["config"]["recompute"] is False for r in every if r["config"]["schedule"] == "1f1b"
     )
-    threaded = {r["stages"] for r in every if r["config"]["mpi_progress"] == "thread"}
+    threaded = {r["pp_size"] for r in every if r["config"]["mpi_progress"] == "thread"}
     assert threaded == {2, 4}  # exact with a progress thread inside MPI during compute
 
 
@@ -95,7 +95,7 @@ def test_every_strategy_meets_every_model_and_optimizer_at_the_default_adam_lr(g
         assert pairs == {(m, o) for m in ("mlp", "cnn", "transformer") for o in ("sgd", "adam")}
         assert any(c["optimizer"] == "adam" and c["lr"] == 0.003 for c in configs), strategy
     hybrid = {
-        (r["world_size"] // r["stages"], r["stages"])
+        (r["world_size"] // r["pp_size"], r["pp_size"])
         for r in every
         if r["config"]["strategy"] == "hybrid"
     }
