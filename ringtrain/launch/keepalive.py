@@ -50,20 +50,22 @@ def parse_ompi_info(parsable: str) -> dict[str, str]:
     return values
 
 
+def _ompi_info(environ: Mapping[str, str], *params: str) -> str:
+    """`ompi_info --parsable --param ... --level 9` as Open MPI reads `environ` ("" if absent)."""
+    command = ["ompi_info", "--parsable", "--param", *params, "--level", "9"]
+    try:
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=30, env=dict(environ)
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return done.stdout
+
+
 def launcher_values(environ: Mapping[str, str]) -> dict[str, str] | None:
     """What Open MPI reads for the keepalive in `environ` (its variables and parameter files),
     or None where ompi_info is missing or silent."""
-    try:
-        done = subprocess.run(
-            ["ompi_info", "--parsable", "--param", "oob", "tcp", "--level", "9"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            env=dict(environ),
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    values = parse_ompi_info(done.stdout)
+    values = parse_ompi_info(_ompi_info(environ, "oob", "tcp"))
     return values if len(values) == len(KEEPALIVE) else None
 
 
@@ -84,9 +86,9 @@ def keepalive_warning(environ: Mapping[str, str] | None = None) -> str | None:
     if not launched_across_nodes(env):
         return None
     values = launcher_values(env)
-    if values is None or silence_bound(values) <= LONGEST_SILENCE_S:
+    waits = silence_bound(values) if values else 0.0
+    if waits <= LONGEST_SILENCE_S:
         return None
-    waits = silence_bound(values)
     wait_text = "forever" if waits == float("inf") else f"{waits:.0f} s"
     flags = " ".join(f"--mca {key} {value}" for key, value in KEEPALIVE.items())
     return (
@@ -112,14 +114,7 @@ def param_file_list(defaults: str, ours: str) -> str:
 def default_param_files() -> str:
     """Open MPI's own list of parameter files, as its build defines it."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("OMPI_MCA_mca")}
-    done = subprocess.run(
-        ["ompi_info", "--parsable", "--param", "mca", "base", "--level", "9"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env=env,
-    )
-    for line in done.stdout.splitlines():
+    for line in _ompi_info(env, "mca", "base").splitlines():
         if ":mca_base_param_files:value:" in line:
             return line.split(":value:", 1)[1]
     return ""
