@@ -6,8 +6,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -181,98 +179,3 @@ REFERENCE_RUN = {
     "steps": 5,
     "seed": 1,
 }
-
-
-# ---- the rehearsal cluster every cluster test shares --------------------------------------
-
-# One `ringtrain cluster up` per session: 24 nodes (a pair for each of test_node_faults'
-# twelve fault runs), 2 CPUs each, Slurm, every link capped at 1gbit (test_cluster measures
-# the cap). Its node names are fixed, so one cluster at a time: the tests that take it down or
-# bring up a cluster of their own run after every test that shares it (see the ordering below).
-REHEARSAL_NODES = 24
-REHEARSAL_LINK = "1gbit"
-REHEARSAL_UP = [
-    *("--nodes", str(REHEARSAL_NODES), "--link", REHEARSAL_LINK),
-    *("--slurm", "--cpus-per-node", "2"),
-]
-
-
-def cluster(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return run([str(BIN / "ringtrain"), "cluster", *args], timeout=timeout)
-
-
-def require_root() -> None:
-    if os.geteuid() != 0:
-        pytest.fail("the cluster tests need root: they create network namespaces and veths")
-
-
-def bring_up(*args: str) -> subprocess.CompletedProcess:
-    """`ringtrain cluster up`; a machine that cannot make namespaces fails here, in one line.
-    No `down` after a failure: a failed `up` removed what it made, and a refused one must
-    leave the cluster already running (another session's) alone."""
-    require_root()
-    done = cluster("up", *args)
-    if done.returncode != 0:
-        lines = done.stderr.strip().splitlines() or [f"exit {done.returncode}"]
-        pytest.fail(f"ringtrain cluster up {' '.join(args)} failed: {lines[-1]}")
-    return done
-
-
-@dataclass
-class Rehearsal:
-    """The shared cluster: what `up` printed, and the environment its Slurm clients need."""
-
-    output: str
-    env: dict[str, str]
-    running: bool = True
-
-    def down(self) -> subprocess.CompletedProcess:
-        self.running = False
-        return cluster("down")
-
-
-_shared: list[Rehearsal] = []  # the session's cluster, once brought up
-
-
-def take_down_shared_cluster() -> None:
-    """Before a test brings up a cluster of its own: the shared one goes, if it is up."""
-    if _shared and _shared[0].running:
-        _shared[0].down()
-
-
-@pytest.fixture(scope="session")
-def rehearsal_cluster() -> Iterator[Rehearsal]:
-    """The cluster the cluster tests share; down at the session's end even when a test failed.
-    A test that damages a node heals it before it ends."""
-    from ringtrain.cluster.layout import STATE_DIR
-
-    done = bring_up(*REHEARSAL_UP)
-    slurm_conf = STATE_DIR / "slurm" / "etc" / "slurm.conf"
-    _shared.append(Rehearsal(done.stdout, {**ENV, "SLURM_CONF": str(slurm_conf)}))
-    try:
-        yield _shared[0]
-    finally:
-        take_down_shared_cluster()
-
-
-def pytest_configure(config) -> None:
-    config.addinivalue_line(
-        "markers", "ends_shared_cluster: takes the shared cluster down, after its users"
-    )
-    config.addinivalue_line(
-        "markers", "own_cluster: brings up a cluster of its own (runs after the shared one is down)"
-    )
-
-
-def pytest_collection_modifyitems(items) -> None:
-    """The shared cluster's users run together at the end, so it is up once; then the test
-    that takes it down, then the tests with a cluster of their own. Otherwise the order stays."""
-
-    def rank(item) -> int:
-        if item.get_closest_marker("own_cluster"):
-            return 3
-        if item.get_closest_marker("ends_shared_cluster"):
-            return 2
-        return 1 if "rehearsal_cluster" in item.fixturenames else 0
-
-    items.sort(key=rank)

@@ -15,11 +15,10 @@
   parallel and hybrid resume from the previous checkpoint and end with the weights of an
   uninterrupted run, while a pipeline that would need more stages is refused in one line.
 
-The session's shared cluster (conftest.rehearsal_cluster: 24 nodes, 2 CPUs each, Slurm)
-serves every test: the twelve fault runs take a pair each; the requeue test uses node1 to
-node4 as two pairs, and the slow-link runs go on in the background on node5 to node8 while
-Slurm requeues. Each test heals the nodes it hurt and gives back the links it slowed, so the
-cluster serves the tests after it.
+One cluster (24 nodes, 2 CPUs each, Slurm) serves every test: the twelve fault runs take a
+pair each; the requeue test uses node1 to node4 as two pairs, and the slow-link runs go on in
+the background on node5 to node8 while Slurm requeues.
+Each test heals the nodes it hurt, and the cluster is taken down even when a test failed.
 """
 
 from __future__ import annotations
@@ -36,31 +35,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import (
-    BIN,
-    ENV,
-    REHEARSAL_LINK,
-    REHEARSAL_NODES,
-    ROOT,
-    cluster,
-    compare_weight_files,
-    run,
-)
+from conftest import BIN, ENV, ROOT, compare_weight_files, run
 
 from ringtrain.cluster import layout as cluster_layout
-from ringtrain.cluster.control import TBF_BURST, TBF_LATENCY
 from ringtrain.cluster.system import netns_pids, pids_with_environment
 from ringtrain.deadline import transfer_time, waited
 from ringtrain.launch.network import mpirun_flags
 
 CLI = str(BIN / "ringtrain")
+STATE = cluster_layout.STATE_DIR
 CIDR = cluster_layout.DEFAULT_SUBNET
 TIMEOUT = 20  # --comm-timeout, above the launchers' 11 s keepalive (see the README)
 BOUND = TIMEOUT + 30
 JOB_PROGRAMS = ("python", "ringtrain", "orted", "srun", "slurmstepd", "mpirun", "slurm_script")
 FREEZE = "RINGTRAIN_TEST_CRASH_BEFORE_MANIFEST"
-# a pair for each of twelve runs: six launches, each partitioned and powered off
-ALL_NODES = tuple(f"node{n}" for n in range(1, REHEARSAL_NODES + 1))
+NODES = 24  # a pair for each of twelve runs: six launches, each partitioned and powered off
+ALL_NODES = tuple(f"node{n}" for n in range(1, NODES + 1))
 
 
 def test_a_deadline_adds_the_bytes_at_the_minimum_rate():
@@ -71,6 +61,10 @@ def test_a_deadline_adds_the_bytes_at_the_minimum_rate():
 
 
 # ---- the cluster -------------------------------------------------------------------------
+
+
+def cluster(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return run([CLI, "cluster", *args], timeout=timeout)
 
 
 def fault(node: str, kind: str) -> None:
@@ -86,9 +80,16 @@ def fault_started(node: str, kind: str) -> subprocess.Popen:
 
 
 @pytest.fixture(scope="module")
-def slurm_env(rehearsal_cluster) -> dict[str, str]:
-    """The environment the shared cluster's Slurm clients need."""
-    return rehearsal_cluster.env
+def slurm_env() -> Iterator[dict[str, str]]:
+    """The 24-node cluster with Slurm, and the environment its clients need."""
+    done = cluster("up", "--nodes", str(NODES), "--cpus-per-node", "2", "--slurm")
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines() or [f"exit {done.returncode}"]
+        pytest.fail(f"ringtrain cluster up --nodes 4 --slurm failed: {lines[-1]}")
+    try:
+        yield {**ENV, "SLURM_CONF": str(STATE / "slurm" / "etc" / "slurm.conf")}
+    finally:
+        cluster("down")
 
 
 @pytest.fixture(scope="module")
@@ -344,17 +345,18 @@ def test_a_partition_and_a_power_loss_end_every_launcher_s_run_and_name_the_lost
 # ---- a slow link ---------------------------------------------------------------------------
 
 
-def cap(node: str, rate: str, burst: str = "4kb", latency: str = "1s") -> None:
+def cap(node: str, rate: str) -> None:
     """Both directions of a node's link, as `ringtrain cluster up --link` caps them."""
-    tbf = ["root", "tbf", "rate", rate, "burst", burst, "latency", latency]
+    tbf = ["root", "tbf", "rate", rate, "burst", "4kb", "latency", "1s"]
     veth = f"{cluster_layout.PREFIX}{node}"
     subprocess.run(["tc", "qdisc", "replace", "dev", veth, *tbf], check=True)
     subprocess.run(["tc", "-n", veth, "qdisc", "replace", "dev", "eth0", *tbf], check=True)
 
 
-def restore_link(node: str) -> None:
-    """The shared cluster's own cap again, for the tests after this one."""
-    cap(node, REHEARSAL_LINK, TBF_BURST, TBF_LATENCY)
+def uncap(node: str) -> None:
+    veth = f"{cluster_layout.PREFIX}{node}"
+    subprocess.run(["tc", "qdisc", "del", "dev", veth, "root"], check=False)
+    subprocess.run(["tc", "-n", veth, "qdisc", "del", "dev", "eth0", "root"], check=False)
 
 
 SLOW_FLAGS = ["--model", "mlp", "--steps", "3", "--seed", "3", "--batch-size", "256"]
@@ -388,7 +390,7 @@ def slow_link_runs(slurm_env, launcher_env, tmp_path_factory) -> Iterator[tuple[
             if job.poll() is None:
                 job.kill()
         for _, second in SLOW_PAIRS.values():
-            restore_link(second)
+            uncap(second)
 
 
 # ---- requeue on fewer nodes ----------------------------------------------------------------
