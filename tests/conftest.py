@@ -113,10 +113,12 @@ def load_npz(path: Path) -> dict[str, np.ndarray]:
 
 def compare_weight_files(run: Path, reference: Path, model: str, seed: int):
     """Two --weights-out files of digits runs, compared by their updates from the initial
-    weights the seed gives (ringtrain.weights.compare_updates)."""
+    weights the seed gives (reference.compare_updates)."""
+    from reference import compare_updates
+
     from ringtrain.data import load_digits
     from ringtrain.models import BUILTIN
-    from ringtrain.weights import compare_updates, named_weights
+    from ringtrain.weights import named_weights
 
     data = load_digits()
     spec = BUILTIN[model](data.input_shape, data.n_classes)
@@ -169,12 +171,15 @@ def train_matches_reference(
     return done, report
 
 
-# The CLI's defaults (Adam, --lr 0.003) on a short run; REFERENCE_RUN is the same run spelled out.
+# A short run under plain SGD, whose update scales with the gradient: a gradient summed where it
+# should be averaged, or counted twice, moves the weights by that factor (Adam's update would hide
+# it). REFERENCE_RUN is the same run spelled out.
 REFERENCE_FLAGS = ["--model", "mlp", "--steps", "5", "--batch-size", "48", "--seed", "1"]
+REFERENCE_FLAGS += ["--optimizer", "sgd", "--lr", "0.1"]
 REFERENCE_RUN = {
     "model": "mlp",
-    "optimizer": "adam",
-    "lr": 0.003,
+    "optimizer": "sgd",
+    "lr": 0.1,
     "batch_size": 48,
     "steps": 5,
     "seed": 1,

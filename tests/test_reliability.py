@@ -53,8 +53,10 @@ def start_training(ranks: int, args: list[str]) -> subprocess.Popen:
     )
     deadline = time.monotonic() + 120
     line = ""
-    while "held-out accuracy" not in line and time.monotonic() < deadline:
+    while "held-out accuracy" not in line and job.poll() is None and time.monotonic() < deadline:
         line = job.stdout.readline()
+    # The fault must hit training, not start-up: a whole epoch of steps is behind it.
+    assert "held-out accuracy" in line and job.poll() is None, (line, job.returncode)
     return job
 
 
