@@ -275,6 +275,15 @@ class TrainConfig:
         default=None,
         metadata=flag("rank 0 writes every trainable weight (.npz) here", path=check_writable),
     )
+    initial_weights_out: str | None = field(
+        default=None,
+        metadata=flag(
+            "rank 0 writes the trainable weights every rank starts from (.npz, as "
+            "--weights-out; on --resume, the restored ones) here, to reproduce or audit the run "
+            "from its starting point",
+            path=check_writable,
+        ),
+    )
     trace: str | None = field(
         default=None, metadata=flag("Chrome-trace JSON of the pipeline run", path=check_writable)
     )

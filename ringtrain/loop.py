@@ -17,6 +17,7 @@ from ringtrain.data import Dataset, epoch_batches, step_plan
 from ringtrain.guard import StopSignal, Watchdog, non_finite
 from ringtrain.optim import learning_rate
 from ringtrain.proc import resident_bytes
+from ringtrain.weights import save_npz
 
 
 class Engine(Protocol):
@@ -64,6 +65,15 @@ class PhaseClock:
         return {k: round(1e3 * v / max(1, self.steps), 4) for k, v in self.totals.items()}
 
 
+def write_initial_weights(path: str, engine: Engine) -> None:
+    """What the first step starts from, after the broadcast from rank 0 or the restore, so a
+    run can be reproduced or audited from its start. Collective: a pipeline's stages send their
+    weights to rank 0 as they do at the end, and rank 0 writes them as --weights-out does."""
+    weights = engine.gather_weights()  # None on every rank but 0
+    if weights is not None:
+        save_npz(path, weights)
+
+
 def run(
     engine: Engine,
     data: Dataset,
@@ -83,6 +93,8 @@ def run(
     first, losses = checkpoints.restore() if checkpoints and cfg.resume else (0, [])
     if first:
         log.info(f"resumed from {cfg.checkpoint_dir} at step {first}")
+    if cfg.initial_weights_out:  # a whole-model transfer: still start-up for the watchdog
+        write_initial_weights(cfg.initial_weights_out, engine)
     style = log.progress_style(cfg.progress, world.launcher)
     board = tensorboard.Scalars(cfg.tensorboard) if cfg.tensorboard and world.rank == 0 else None
     stop, link = StopSignal(), Link(world.comm, cfg.comm_timeout)

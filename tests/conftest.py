@@ -103,6 +103,7 @@ def assert_exact_resume(checks: list[dict]) -> None:
         assert c["stopped_steps"] == c["steps"][0] // 2, c
         assert c["steps"][0] == c["steps"][1] > c["stopped_steps"], c
         assert c["same_weight_names"], c
+        assert c["resumed_from_the_stop"], c  # --initial-weights-out wrote the restored weights
         assert c["weights_max_abs_diff"] == 0.0 and c["losses_max_abs_diff"] == 0.0, c
 
 
@@ -111,19 +112,12 @@ def load_npz(path: Path) -> dict[str, np.ndarray]:
         return {k: stored[k] for k in stored.files}
 
 
-def compare_weight_files(run: Path, reference: Path, model: str, seed: int):
-    """Two --weights-out files of digits runs, compared by their updates from the initial
-    weights the seed gives (reference.compare_updates)."""
+def compare_weight_files(run: Path, reference: Path, initial: Path):
+    """Two --weights-out files of one model, compared by their updates from the weights in
+    `initial`: an --initial-weights-out file one of the runs wrote (reference.compare_updates)."""
     from reference import compare_updates
 
-    from ringtrain.data import load_digits
-    from ringtrain.models import BUILTIN
-    from ringtrain.weights import named_weights
-
-    data = load_digits()
-    spec = BUILTIN[model](data.input_shape, data.n_classes)
-    initial = named_weights(spec.build(range(len(spec)), seed))
-    return compare_updates(initial, load_npz(run), load_npz(reference))
+    return compare_updates(load_npz(initial), load_npz(run), load_npz(reference))
 
 
 def one_line_error(done: subprocess.CompletedProcess, needle: str) -> None:
@@ -135,28 +129,56 @@ def one_line_error(done: subprocess.CompletedProcess, needle: str) -> None:
     assert any(needle in line for line in lines), lines
 
 
+class CliReference:
+    """The independent reference for the shared CLI runs (REFERENCE_FLAGS), trained once: from
+    the initial weights the first run wrote. Every later run must have started from the very
+    same weights, whatever its strategy, or it is not comparable (and something is wrong)."""
+
+    def __init__(self):
+        self.digest: str | None = None
+        self.trained = None
+
+    def starting_from(self, initial: Path):
+        from reference import load_digits, train_reference, weights_digest
+
+        digest = weights_digest(initial)
+        if self.trained is None:
+            self.digest = digest
+            self.trained = train_reference(load_digits(), initial, **REFERENCE_RUN)
+        assert digest == self.digest, (
+            f"{initial} holds other initial weights than the first run's: "
+            f"{differing_tensors(load_npz(initial), self.trained.initial)}"
+        )
+        return self.trained
+
+
+def differing_tensors(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> list[str]:
+    """Names held by one only, or with other values."""
+    return sorted(
+        k for k in a.keys() | b.keys() if k not in a or k not in b or not np.array_equal(a[k], b[k])
+    )
+
+
 @pytest.fixture(scope="session")
-def cli_reference():
-    """The independent reference (tests/reference.py) for the shared CLI runs."""
-    from reference import train_reference
-
-    from ringtrain.data import load_digits
-
-    return train_reference(load_digits(), **REFERENCE_RUN)
+def cli_reference() -> CliReference:
+    return CliReference()
 
 
 def train_matches_reference(
-    reference, folder: Path, *args: str, ranks: int | None = None, fp16: bool = False
+    reference: CliReference, folder: Path, *args: str, ranks: int | None = None, fp16: bool = False
 ) -> tuple[subprocess.CompletedProcess, dict]:
     """`ringtrain train ARGS REFERENCE_FLAGS`: its --weights-out and its per-step losses held to
-    the independent reference. Returns the run and its --metrics-out report."""
+    the independent reference, trained from the run's --initial-weights-out. Returns the run
+    and its --metrics-out report."""
     from reference import compare_with
 
-    weights, metrics = folder / "w.npz", folder / "m.json"
+    initial, weights, metrics = folder / "initial.npz", folder / "w.npz", folder / "m.json"
     done = ringtrain(
         "train",
         *args,
         *REFERENCE_FLAGS,
+        "--initial-weights-out",
+        str(initial),
         "--weights-out",
         str(weights),
         "--metrics-out",
@@ -165,7 +187,9 @@ def train_matches_reference(
     )
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(metrics.read_text())
-    result = compare_with(reference, load_npz(weights), report["losses"], fp16)
+    result = compare_with(
+        reference.starting_from(initial), load_npz(weights), report["losses"], fp16
+    )
     print(result)
     assert result["update"]["passed"] and result["losses_passed"], result
     return done, report

@@ -1,7 +1,8 @@
 """Runs inside every rank of one mpirun and checks every strategy that fits the world size, over
 many configurations, against the independent reference (tests/reference.py, computed on rank 0).
 Rank 0 prints one JSON line per check: the worst per-tensor update difference and the largest
-per-step loss difference.
+per-step loss difference. Each run writes its initial weights (--initial-weights-out) to a
+folder of rank 0's, and the reference starts from them.
 
     mpirun -np N python tests/mpi_checks.py [RESUME_DIR]
 
@@ -14,10 +15,12 @@ from __future__ import annotations
 import functools
 import json
 import sys
+import tempfile
 from dataclasses import replace
 
 import numpy as np
-from reference import ReferenceRun, compare_with, train_reference
+from reference import ReferenceRun, compare_with, train_reference, weights_digest
+from reference import load_digits as reference_digits
 
 from ringtrain import loop, runtime
 from ringtrain.api import make_engine
@@ -204,16 +207,19 @@ def resume_grid(world_size: int) -> list[TrainConfig]:
     }[world_size]
 
 
+REFERENCES: dict[tuple, ReferenceRun] = {}
+
+
 def reference(cfg: TrainConfig) -> ReferenceRun:
-    """Computed once per distinct run: many configurations share a reference."""
-    return _reference(
-        cfg.model, cfg.optimizer, cfg.lr, cfg.batch_size, cfg.steps, cfg.seed, cfg.clip_norm
-    )
-
-
-@functools.cache
-def _reference(model, optimizer, lr, batch, steps, seed, clip) -> ReferenceRun:
-    return train_reference(DATA, model, optimizer, lr, batch, steps, seed, clip)
+    """Trained from the run's initial weights, once per distinct run and starting point: many
+    configurations share a reference. Keyed by the weights' digest, not their file, as each
+    run writes its own file."""
+    start = cfg.initial_weights_out
+    run = (cfg.model, cfg.optimizer, cfg.lr, cfg.batch_size, cfg.steps, cfg.seed, cfg.clip_norm)
+    key = (weights_digest(start), *run)
+    if key not in REFERENCES:
+        REFERENCES[key] = train_reference(reference_digits(), start, *run)
+    return REFERENCES[key]
 
 
 def watched(run, cfg: TrainConfig):
@@ -251,11 +257,19 @@ def resume_check(cfg: TrainConfig, world: runtime.World, sets: dict, folder: str
     with the default partition: a pipeline must split as its checkpoint did."""
     full, full_weights = run_strategy(cfg, world, sets)
     ckpt = replace(cfg, checkpoint_dir=folder)
-    stopped, _ = run_strategy(replace(ckpt, stop_after=cfg.steps // 2), world, sets)
-    resumed, weights = run_strategy(replace(ckpt, resume=True, partition=None), world, sets)
+    stopped, at_stop = run_strategy(replace(ckpt, stop_after=cfg.steps // 2), world, sets)
+    restored = f"{folder}-initial.npz"  # --initial-weights-out on --resume: the restored weights
+    resumed, weights = run_strategy(
+        replace(ckpt, resume=True, partition=None, initial_weights_out=restored), world, sets
+    )
     if world.rank != 0:
         return {}
+    with np.load(restored, allow_pickle=False) as start:
+        resumed_from_the_stop = set(start.files) == at_stop.keys() and all(
+            np.array_equal(start[k], at_stop[k]) for k in at_stop
+        )
     return {
+        "resumed_from_the_stop": resumed_from_the_stop,
         "stopped_finished": stopped["finished"],
         "stopped_steps": stopped["steps"],
         "steps": [full["steps"], resumed["steps"]],
@@ -268,6 +282,26 @@ def resume_check(cfg: TrainConfig, world: runtime.World, sets: dict, folder: str
             np.max(np.abs(np.array(resumed["losses"]) - np.array(full["losses"])))
         ),
     }
+
+
+def check_against_reference(
+    configs: list[TrainConfig], world: runtime.World, sets: dict, starts: str
+) -> None:
+    """Each configuration's run, from the initial weights it writes to the folder `starts`,
+    against the reference trained from those weights; rank 0 prints the comparison."""
+    for i, cfg in enumerate(configs):
+        cfg = replace(cfg, initial_weights_out=f"{starts}/initial-{i}.npz")
+        metrics, weights = run_strategy(cfg, world, sets)
+        if world.rank == 0:
+            report = {
+                "config": {k: v for k, v in cfg.as_dict().items() if k in REPORTED},
+                "world_size": world.size,
+                "pp_size": pp_size_of(cfg, world.size),
+                **compare_with(reference(cfg), weights, metrics["losses"], cfg.fp16_allreduce),
+                "replica_checksums": metrics.get("replica_checksums"),
+                "peak_inflight": metrics.get("peak_inflight"),
+            }
+            print(json.dumps(report), flush=True)
 
 
 def main() -> None:
@@ -283,18 +317,8 @@ def main() -> None:
     }
     world = runtime.start(with_horovod=True, process_sets=[list(s) for s in sorted(needed)])
     sets = dict(zip(sorted(needed), world.process_sets, strict=True))
-    for cfg in configs:
-        metrics, weights = run_strategy(cfg, world, sets)
-        if world.rank == 0:
-            report = {
-                "config": {k: v for k, v in cfg.as_dict().items() if k in REPORTED},
-                "world_size": world.size,
-                "pp_size": pp_size_of(cfg, world.size),
-                **compare_with(reference(cfg), weights, metrics["losses"], cfg.fp16_allreduce),
-                "replica_checksums": metrics.get("replica_checksums"),
-                "peak_inflight": metrics.get("peak_inflight"),
-            }
-            print(json.dumps(report), flush=True)
+    with tempfile.TemporaryDirectory(prefix="initial-weights-") as mine:
+        check_against_reference(configs, world, sets, world.comm.bcast(mine))  # rank 0's folder
     if len(sys.argv) > 1:
         for i, cfg in enumerate(resume_grid(size)):
             check = resume_check(cfg, world, sets, f"{sys.argv[1]}/{i}")

@@ -1,27 +1,32 @@
 """The independent reference: a plain TensorFlow/Keras training loop written from the documented
-contract (docs/tutorial/why-distribute.md), sharing no training code with ringtrain.
+contract (docs/tutorial/why-distribute.md). It imports nothing from ringtrain, so a mistake in
+ringtrain's code cannot hide by being made the same way here:
 
-Only the model's element builders and initialiser (`ModelSpec.build`) and the datasets come
-from ringtrain; the batch order, the loss, the gradient, clipping, the optimizer and the judge
-(`compare_updates`) are written here from what the docs promise:
-
+- the models are declared here again as plain Keras layers (`MODELS`): the one intended
+  duplication of ringtrain's code, as the reference must not share the code it checks;
+- the initial weights are the ones the run itself wrote with --initial-weights-out, matched to
+  this model's weights by their names (layerNN/...), so no initialiser is written twice;
+- the digits are scikit-learn's, split as documented (`load_digits`);
 - the order of examples in epoch e is `np.random.default_rng([seed, e]).permutation(n)`;
 - step t takes the next `batch_size` examples of that order; the last partial batch is dropped;
 - the loss is the mean sparse categorical cross-entropy over the global batch;
 - `--clip-norm C` scales the gradients by C / max(global norm, C);
-- `--optimizer sgd|adam --lr LR` is Keras' SGD or Adam at that learning rate, all else default.
+- `--optimizer sgd|adam --lr LR` is Keras' SGD or Adam at that learning rate, all else default;
+- the judge (`compare_updates`) compares the tensors itself.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import math
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import keras
 import numpy as np
 import tensorflow as tf
-
-from ringtrain.data import Dataset
-from ringtrain.models import BUILTIN
 
 # Per-step losses (about 2.3 at the start) must agree to float rounding. Under
 # --fp16-allreduce the reported loss itself is averaged in half precision (it rides in the
@@ -32,6 +37,182 @@ UPDATE_RTOL, UPDATE_ATOL = 1e-4, 1e-7
 # --fp16-allreduce rounds every averaged gradient to half precision (11 significant bits) on
 # purpose, so its updates are held to their own, measured bound instead of UPDATE_RTOL.
 FP16_ALLREDUCE_RTOL = 1e-2
+
+DIGITS_HELD_OUT, DIGITS_SPLIT_SEED = 0.2, 1234
+
+
+@dataclass(frozen=True)
+class Digits:
+    """The training rows (x as float32 (8, 8, 1), y as int32 labels 0-9) and the held-out rows."""
+
+    x: np.ndarray
+    y: np.ndarray
+    held_out_x: np.ndarray
+    held_out_y: np.ndarray
+
+
+@functools.cache
+def load_digits() -> Digits:
+    """scikit-learn's 8x8 digits as `--dataset digits` promises them: pixels / 16 in float32,
+    shape (8, 8, 1); `default_rng(1234).permutation(n)` holds out its first round(0.2 n)
+    examples and trains on the rest, in that order."""
+    from sklearn import datasets  # a second of import, paid only where a reference is trained
+
+    digits = datasets.load_digits()
+    x = (digits.data / 16.0).astype(np.float32).reshape(-1, 8, 8, 1)
+    y = digits.target.astype(np.int32)
+    order = np.random.default_rng(DIGITS_SPLIT_SEED).permutation(len(x))
+    held_out, train = np.split(order, [round(DIGITS_HELD_OUT * len(x))])
+    return Digits(x[train], y[train], x[held_out], y[held_out])
+
+
+# ---- the built-in models, declared again ---------------------------------------------------
+#
+# The one intended duplication: ringtrain/models.py's mlp, cnn and transformer, written here as
+# plain Keras with the same math (and, where it matters for float rounding, the same order of
+# operations). Each weight is named as ringtrain names it (layerNN/...), which is how the run's
+# initial weights find their tensor here.
+
+
+class DenseWithPositions(keras.layers.Dense):
+    """Dense on each token, plus a learned embedding per token position (TokenEmbedding)."""
+
+    def build(self, input_shape):
+        super().build(input_shape)
+        self.position = self.add_weight(name="position", shape=(input_shape[1], self.units))
+
+    def call(self, inputs):
+        return super().call(inputs) + self.position
+
+
+class PreNormEncoderBlock(keras.layers.Layer):
+    """x + attention(norm1(x)), then + feed-forward(norm2(x)). As in ringtrain, the key
+    projection has no bias."""
+
+    def __init__(self, heads: int, hidden: int, **kwargs):
+        super().__init__(**kwargs)
+        self.heads, self.hidden = heads, hidden
+
+    def build(self, input_shape):
+        width = int(input_shape[-1])
+        self.norm1, self.norm2 = (
+            keras.layers.LayerNormalization(name=n) for n in ("norm1", "norm2")
+        )
+        for norm in (self.norm1, self.norm2):
+            norm.build(input_shape)
+        shapes = {
+            "wq": (width, width),
+            "q_bias": (width,),
+            "wk": (width, width),
+            "wv": (width, width),
+            "v_bias": (width,),
+            "wo": (width, width),
+            "o_bias": (width,),
+            "ffn1_kernel": (width, self.hidden),
+            "ffn1_bias": (self.hidden,),
+            "ffn2_kernel": (self.hidden, width),
+            "ffn2_bias": (width,),
+        }
+        self.w = {name: self.add_weight(name=name, shape=shape) for name, shape in shapes.items()}
+
+    def _by_head(self, t):
+        """(batch, tokens, width) -> (batch, heads, tokens, width / heads)."""
+        split = tf.reshape(t, (tf.shape(t)[0], t.shape[1], self.heads, t.shape[2] // self.heads))
+        return tf.transpose(split, (0, 2, 1, 3))
+
+    def call(self, x):
+        w = self.w
+        normed = self.norm1(x)
+        query = self._by_head(tf.matmul(normed, w["wq"]) + w["q_bias"])
+        key = self._by_head(tf.matmul(normed, w["wk"]))
+        value = self._by_head(tf.matmul(normed, w["wv"]) + w["v_bias"])
+        scale = math.sqrt(query.shape[-1])
+        attention = tf.nn.softmax(tf.matmul(query, key, transpose_b=True) / scale)
+        per_token = tf.transpose(tf.matmul(attention, value), (0, 2, 1, 3))
+        x = x + tf.matmul(tf.reshape(per_token, tf.shape(x)), w["wo"]) + w["o_bias"]
+        hidden = keras.activations.gelu(
+            tf.matmul(self.norm2(x), w["ffn1_kernel"]) + w["ffn1_bias"], approximate=False
+        )
+        return x + tf.matmul(hidden, w["ffn2_kernel"]) + w["ffn2_bias"]
+
+
+def mlp(n_classes: int) -> list[keras.layers.Layer]:
+    return [
+        keras.layers.Flatten(name="flatten"),
+        keras.layers.Dense(128, "relu", name="layer00"),
+        keras.layers.Dense(128, "relu", name="layer01"),
+        keras.layers.Dense(64, "relu", name="layer02"),
+        keras.layers.Dense(n_classes, name="layer03"),
+    ]
+
+
+def cnn(n_classes: int) -> list[keras.layers.Layer]:
+    return [
+        keras.layers.Conv2D(16, 3, padding="same", activation="relu", name="layer00"),
+        keras.layers.Conv2D(32, 3, strides=2, padding="same", activation="relu", name="layer01"),
+        keras.layers.Flatten(name="flatten"),
+        keras.layers.Dense(64, "relu", name="layer02"),
+        keras.layers.Dense(n_classes, name="layer03"),
+    ]
+
+
+def transformer(n_classes: int, width: int = 32) -> list[keras.layers.Layer]:
+    """Image rows as tokens, two encoder blocks of 4 heads, mean over tokens, classify."""
+    return [
+        keras.layers.TimeDistributed(keras.layers.Flatten(), name="rows_as_tokens"),
+        DenseWithPositions(width, name="layer00"),
+        PreNormEncoderBlock(4, 2 * width, name="layer01"),
+        PreNormEncoderBlock(4, 2 * width, name="layer02"),
+        keras.layers.GlobalAveragePooling1D(name="mean_over_tokens"),
+        keras.layers.Dense(n_classes, name="layer03"),
+    ]
+
+
+MODELS: dict[str, Callable[[int], list[keras.layers.Layer]]] = {
+    "mlp": mlp,
+    "cnn": cnn,
+    "transformer": transformer,
+}
+
+
+def apply(layers: list[keras.layers.Layer], x) -> tf.Tensor:
+    for layer in layers:
+        x = layer(x)
+    return x
+
+
+def start_from(layers: list[keras.layers.Layer], initial: str | os.PathLike) -> list:
+    """The model's trainable variables, set to the run's --initial-weights-out file by name.
+    Every tensor must be there with its shape: a file of another model is refused."""
+    variables = [v for layer in layers for v in layer.trainable_weights]
+    with np.load(initial, allow_pickle=False) as stored:
+        ours, theirs = {v.path for v in variables}, set(stored.files)
+        assert ours == theirs, (
+            f"{initial} does not hold this model's weights: missing {sorted(ours - theirs)}, "
+            f"unknown {sorted(theirs - ours)}"
+        )
+        for v in variables:
+            value = stored[v.path]
+            assert value.shape == tuple(v.shape), (
+                f"{initial}: {v.path} has shape {value.shape}, the model's is {tuple(v.shape)}"
+            )
+            v.assign(value)
+    return variables
+
+
+def weights_digest(path: str | os.PathLike) -> str:
+    """A weight file's tensors (names, dtypes, shapes, values) as one hash. The .npz's own bytes
+    would not do: its zip entries carry the time they were written."""
+    digest = hashlib.sha256()
+    with np.load(path, allow_pickle=False) as stored:
+        for name in sorted(stored.files):
+            value = stored[name]
+            digest.update(f"{name} {value.dtype} {value.shape}\n".encode())
+            digest.update(np.ascontiguousarray(value).tobytes())
+    return digest.hexdigest()
+
+
+# ---- training and the judge ----------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -101,7 +282,8 @@ def _weights(variables) -> dict[str, np.ndarray]:
 
 
 def train_reference(
-    data: Dataset,
+    data: Digits,
+    initial: str | os.PathLike,
     model: str,
     optimizer: str,
     lr: float,
@@ -112,14 +294,15 @@ def train_reference(
     batches: list[np.ndarray] | None = None,
     counted: np.ndarray | None = None,
 ) -> ReferenceRun:
-    """Train one process, one global batch per step, with a plain tape and Keras optimizer.
+    """Train one process, one global batch per step, with a plain tape and Keras optimizer,
+    from the initial weights a run wrote to the file `initial` (--initial-weights-out).
 
     The judge's own tests build wrong runs here: `batches` replaces the example indices of each
     step, and `counted` weighs each example of a global batch in the mean loss (0 drops it)."""
-    spec = BUILTIN[model](data.input_shape, data.n_classes)
-    layers = spec.build(range(len(spec)), seed)
-    variables = [v for layer in layers for v in layer.trainable_weights]
-    initial = _weights(variables)
+    layers = MODELS[model](int(data.y.max()) + 1)  # every digit is among the training rows
+    apply(layers, data.x[:1])  # builds every layer for the data's rows
+    variables = start_from(layers, initial)
+    before = _weights(variables)
     # Named, so it takes no automatic name ("sgd_1") that would shift the optimizer names, and
     # so the Horovod tensor names, of engines later built in this process on one rank only.
     kind = keras.optimizers.SGD if optimizer == "sgd" else keras.optimizers.Adam
@@ -128,17 +311,15 @@ def train_reference(
     losses = []
     for idx in batches or global_batches(len(data.x), batch_size, seed, steps):
         with tf.GradientTape() as tape:
-            out = tf.constant(data.x[idx])
-            for layer in layers:
-                out = layer(out)
-            loss = cross_entropy(tf.constant(data.y[idx]), out, sample_weight=counted)
+            logits = apply(layers, tf.constant(data.x[idx]))
+            loss = cross_entropy(tf.constant(data.y[idx]), logits, sample_weight=counted)
         grads = tape.gradient(loss, variables)
         if clip_norm is not None:
             norm = tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(g)) for g in grads]))
             grads = [g * (clip_norm / tf.maximum(norm, clip_norm)) for g in grads]
         opt.apply_gradients(zip(grads, variables, strict=True))
         losses.append(float(loss))
-    return ReferenceRun(initial, _weights(variables), losses)
+    return ReferenceRun(before, _weights(variables), losses)
 
 
 def compare_with(ref: ReferenceRun, weights: dict, losses: list[float], fp16: bool) -> dict:

@@ -92,6 +92,7 @@ BAD_TRAIN_FLAGS = [
     (["--metrics-out", "/nonexistent-dir/m.json"], "does not exist"),
     (["--metrics-out", "/proc/m.json"], "not writable"),
     (["--weights-out", "/tmp"], "--weights-out /tmp is a folder"),
+    (["--initial-weights-out", "/tmp"], "--initial-weights-out /tmp is a folder"),
     (["--gantt", "/tmp/run.jpg"], "name it *.png"),
     (["--dataset", "npz:/nonexistent.npz"], "does not exist"),
     (["--dataset", "imagenet"], "unknown dataset"),

@@ -42,6 +42,7 @@ NETWORK_FLAGS = [
 WHERE = ["sh", "-c", 'echo "rank $OMPI_COMM_WORLD_RANK on $(hostname)"; exec "$@"', "where"]
 CORES = ["sh", "-c", "taskset -pc $$"]  # the CPU mask a process started on the node gets
 SINGLE_FLAGS = REFERENCE_FLAGS  # mlp, 5 steps, global batch 48, seed 1
+START = "initial.npz"  # the single run's --initial-weights-out, beside its weights
 STEPS = 5
 BATCH = 48
 JOB_TIMEOUT = 300
@@ -110,15 +111,17 @@ def crossed(before: dict, after: dict) -> dict[str, tuple[int, int]]:
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory) -> Path:
-    """Single-process training's weights: what every run across nodes must reproduce."""
+    """Single-process training's weights: what every run across nodes must reproduce. Its
+    initial weights (START beside it) are where every run's update is measured from."""
     out = tmp_path_factory.mktemp("single") / "w.npz"
-    done = run([CLI, "train", "--strategy", "single", *SINGLE_FLAGS, "--weights-out", str(out)])
+    outputs = ["--weights-out", str(out), "--initial-weights-out", str(out.with_name(START))]
+    done = run([CLI, "train", "--strategy", "single", *SINGLE_FLAGS, *outputs])
     assert done.returncode == 0, done.stderr[-2000:]
     return out
 
 
 def assert_same_training(weights: Path, single: Path) -> None:
-    comparison = compare_weight_files(weights, single, "mlp", 1)
+    comparison = compare_weight_files(weights, single, single.with_name(START))
     print(comparison)
     assert comparison.passed, comparison
 

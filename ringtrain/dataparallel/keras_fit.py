@@ -24,7 +24,7 @@ from ringtrain.guard import Watchdog, non_finite
 from ringtrain.models import ModelSpec
 from ringtrain.optim import learning_rate, make_optimizer
 from ringtrain.runtime import World
-from ringtrain.weights import named_weights, replica_checksums
+from ringtrain.weights import named_weights, replica_checksums, save_npz
 
 
 def distributed_optimizer(optimizer: keras.optimizers.Optimizer, hvd, fp16: bool = False):
@@ -135,6 +135,8 @@ def fit(spec: ModelSpec, data: Dataset, cfg: TrainConfig, world: World, watchdog
     """Train with model.fit on this rank's slice of every global batch, in the shared order."""
     hvd = world.hvd if world.size > 1 else None
     elements = spec.build(range(len(spec)), cfg.seed)
+    if cfg.initial_weights_out and world.rank == 0:  # BroadcastInitialState sends these
+        save_npz(cfg.initial_weights_out, named_weights(elements))
     model = keras.Sequential([keras.Input(data.input_shape), *elements])
     optimizer = make_optimizer(cfg)
     if hvd is not None:
