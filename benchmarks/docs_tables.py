@@ -1,22 +1,44 @@
-"""Regenerate the performance pages' tables, docs/performance/*.md, from benchmarks/results/*.json.
+"""Regenerate every measured figure of the docs from benchmarks/results/*.json: the performance
+pages' tables (docs/performance/*.md, between BEGIN and END) and the inline figures of README.md
+and docs/**/*.md (`<!-- fig: NAME -->...<!-- /fig -->`, NAME a key of FIGURES).
 
-    python benchmarks/docs_tables.py          # rewrites the block between each page's markers
+    python benchmarks/docs_tables.py          # rewrites every block and inline figure
     python benchmarks/docs_tables.py --check  # exit 1 naming every page that is out of date
-Numbers are never typed by hand: this script is the only writer of those blocks.
+Numbers are never typed by hand: this script is the only writer of those blocks and figures,
+and tests/test_figures.py fails on a measured figure anywhere else in the docs.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
-from ringtrain.bench.allreduce import HOROVOD_CALLS, MPI_CALLS, size_label
+from ringtrain.bench.allreduce import HOROVOD_CALLS, MPI_CALLS, TARGET_BYTES, size_label
+from ringtrain.bench.plan_check import SPEED_TOLERANCE
+from ringtrain.bench.roofline import ROOFLINE_TARGET, roofline_verdict
+from ringtrain.plan.cli import in_sample
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = ROOT / "docs" / "performance"
+DOCS = ROOT / "docs"
+PAGES = DOCS / "performance"
 RESULTS = ROOT / "benchmarks" / "results"
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+# An inline figure: the generator rewrites TEXT from FIGURES[NAME]; tests/test_figures.py skips it.
+SPAN = re.compile(r"(<!-- fig: (?P<name>[^>]+?) -->)(?P<text>.*?)(<!-- /fig -->)", re.S)
+ROOFLINE = "roofline (no-overlap / ringtrain)"
+
+
+def doc_files() -> list[Path]:
+    """README.md and every page of the site: where inline figures may stand."""
+    return [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
+
+
+def result(name: str) -> dict:
+    """benchmarks/results/NAME.json."""
+    return json.loads((RESULTS / f"{name}.json").read_text())
 
 
 def _range(entry: dict, metric: str, fmt: str = ".0f") -> str:
@@ -24,6 +46,12 @@ def _range(entry: dict, metric: str, fmt: str = ".0f") -> str:
         f"{entry[f'{metric}_median']:{fmt}} ({entry[f'{metric}_min']:{fmt}}–"
         f"{entry[f'{metric}_max']:{fmt}})"
     )
+
+
+def _span(values: list[float], fmt: str) -> str:
+    """`low–high` of the values, or one figure when they print alike."""
+    low, high = format(min(values), fmt), format(max(values), fmt)
+    return low if low == high else f"{low}–{high}"
 
 
 def machine(facts: dict) -> str:
@@ -39,14 +67,19 @@ def _mode(report: dict) -> str:
 
 def pipeline_table(report: dict) -> str:
     lines = [
-        "| contender | samples/s (median, min–max) | × 1 thread | × 2 threads | bubble measured "
+        "| contender | samples/s (median, min–max) | × 1 thread (per round) | × 2 threads "
+        "| bubble measured "
         "| bubble predicted | bubble gap | step ms measured / predicted | step error | "
         "peak in-flight per stage | activation MB per stage at peak |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for e in report["summary"]:
         rate = _range(e, "samples_per_sec")
-        ratios = f"{e['speedup_vs_single_median']:.2f} | {e['vs_single_2_threads_median']:.2f}"
+        rounds = _span(e["speedup_vs_single_per_round"], ".2f")
+        ratios = (
+            f"{e['speedup_vs_single_median']:.2f} ({rounds}) | "
+            f"{e['vs_single_2_threads_median']:.2f}"
+        )
         if "bubble_gap" not in e:
             lines.append(f"| {e['contender']} | {rate} | {ratios} | | | | | | | |")
             continue
@@ -217,7 +250,40 @@ def allreduce_table(report: dict) -> str:
             else ""
         )
     )
-    return "\n".join([intro, "", *lines, "", f"Targets: {'; '.join(verdicts)}."])
+    findings = allreduce_findings(report)
+    return "\n".join([intro, "", *lines, "", findings, "", f"Targets: {'; '.join(verdicts)}."])
+
+
+def allreduce_findings(report: dict) -> str:
+    """Where the targets are judged (ranks with a core each, from TARGET_BYTES up), each call's
+    share of the faster MPI call, and what a call of the smallest size took."""
+    cores = [e for e in report["summary"] if not e["oversubscribed"]]
+    smallest = min(e["bytes"] for e in cores)
+
+    def shares(contender: str) -> str:
+        return ", ".join(
+            f"{e['vs_allreduce_median']:.2f} at {size_label(e['bytes'])}"
+            for e in cores
+            if e["contender"] == contender and e["bytes"] >= TARGET_BYTES
+        )
+
+    def took(contender: str) -> str:
+        entry = next(e for e in cores if e["contender"] == contender and e["bytes"] == smallest)
+        return f"{smallest / entry['algbw_GBps_median'] / 1e6:.3f} ms"
+
+    mpi = {
+        e["contender"]: e for e in cores if e["bytes"] == smallest and e["contender"] in MPI_CALLS
+    }
+    faster = max(mpi, key=lambda c: mpi[c]["algbw_GBps_median"])
+    cycle = {run["environment"].get("HOROVOD_CYCLE_TIME") for run in report["runs"]}
+    return (
+        f"On ranks with a core each, from {size_label(TARGET_BYTES)} up, of the faster MPI "
+        f"call's bus bandwidth: Horovod in a step {shares('horovod in a step')}; Horovod from "
+        f"Python {shares('horovod')}; out-of-place MPI {shares(MPI_CALLS[0])}. At "
+        f"{size_label(smallest)} a call took {took('horovod in a step')} in a step, "
+        f"{took('horovod')} from Python and {took(faster)} for the faster MPI call "
+        f"(medians; HOROVOD_CYCLE_TIME {' and '.join(sorted(map(str, cycle)))} ms)."
+    )
 
 
 def _mwms(workload: dict) -> str:
@@ -248,14 +314,16 @@ def dp_table(report: dict) -> str:
             f"{ms['full-overlap limit']:.2f} | {ms['ringtrain']:.2f} | "
             f"{ms['ringtrain bucketed']:.2f} | {ms['plain Horovod']:.2f} | {_mwms(w)} | "
             f"{ms['single']:.2f} | {r['efficiency (single / 2 x ringtrain)']:.2f} | "
-            f"{r['roofline (no-overlap / ringtrain)']:.2f} | "
+            f"{_roofline_cell(r[ROOFLINE])} | "
             f"{r.get('ringtrain over tuned MWMS (speed)', float('nan')):.2f} |"
         )
         phases = ", ".join(f"{k} {v:.3f}" for k, v in w["ringtrain_breakdown_ms"].items())
         horovod = ", ".join(f"{k} {v:.3f}" for k, v in w["horovod_timeline_ms_per_step"].items())
         trace = w["overlap_trace"]
+        beyond = r["overhead beyond compute + MPI_Allreduce (ms)"]
         profiles.append(
-            f"- {w['workload']}: ringtrain's step {phases}; Horovod's timeline per step: "
+            f"- {w['workload']}: {beyond:.2f} beyond compute + MPI_Allreduce; ringtrain's step "
+            f"{phases}; Horovod's timeline per step: "
             f"{horovod}; with {w['buckets']} bucket(s) the first average arrived at "
             f"{trace['bucket_arrival_ms'][0]:.2f} ms and the backward ended at "
             f"{trace['backward_end_ms']:.2f} ms."
@@ -276,6 +344,57 @@ def dp_table(report: dict) -> str:
     return "\n".join([intro, "", *lines, "", "Where the time went (ms per step):", "", *profiles])
 
 
+def _roofline_cell(fraction: float) -> str:
+    """A step's share of its no-overlap limit, or, above 1, why the share means nothing."""
+    verdict = roofline_verdict(fraction)
+    if verdict == "roofline error":
+        return f"roofline error: limit wrong for this case (measured {fraction:.3f}, above 1)"
+    return f"{fraction:.3f} ({verdict})"
+
+
+def _where(report: dict) -> str:
+    """A `bench dp` setting in a few words: the last clause of its label."""
+    return report["setting"].rsplit(", ", 1)[-1]
+
+
+def _over_mwms(workload: dict) -> str:
+    """ringtrain's speed over tuned MultiWorkerMirrored on one workload, where MWMS ran."""
+    speed = workload["ratios"].get("ringtrain over tuned MWMS (speed)")
+    return f"{workload['workload']} " + ("(no MWMS run)" if speed is None else f"{speed:.2f}x")
+
+
+def dp_summary(reports: list[dict]) -> str:
+    """The page's findings across its settings: the roofline verdicts (a step that beats its
+    limit is a roofline error, never a hit), and ringtrain against plain Horovod and MWMS."""
+    cases: dict[str, list[str]] = {"met": [], "missed": [], "roofline error": []}
+    against_horovod, over_mwms, bucketed = [], [], []
+    for report in reports:
+        where = _where(report)
+        for w in report["workloads"]:
+            r = w["ratios"]
+            name, verdict = f"{w['workload']} ({where})", roofline_verdict(r[ROOFLINE])
+            cases[verdict].append(f"{name} {r[ROOFLINE]:.3f}")
+            against_horovod.append(r["ringtrain / plain Horovod (step time)"])
+            wrong = ", against a wrong limit" if verdict == "roofline error" else ""
+            bucketed.append(f"{name} {r['bucketed gain over no-overlap limit']:+.2f}{wrong}")
+        over_mwms.append(f"{where}: " + ", ".join(map(_over_mwms, report["workloads"])))
+    total = sum(map(len, cases.values()))
+    return "\n".join(
+        [
+            f"- **Against the roofline** (target: ringtrain's better step at {ROOFLINE_TARGET} "
+            f"or more of its no-overlap limit): met in {len(cases['met'])} of {total} cases; "
+            f"missed in {len(cases['missed'])} ({'; '.join(cases['missed']) or 'none'}); "
+            f"{len(cases['roofline error'])} roofline errors, counted as neither: the step beat "
+            "its own limit, so the limit is wrong for that case "
+            f"({'; '.join(cases['roofline error']) or 'none'}).",
+            f"- **Against plain Horovod**: ringtrain's better step took "
+            f"{min(against_horovod):.2f}–{max(against_horovod):.2f} of its time.",
+            f"- **Speed over tuned MultiWorkerMirrored**: {'; '.join(over_mwms)}.",
+            f"- **Bucketed step's gain over the no-overlap limit**: {'; '.join(bucketed)}.",
+        ]
+    )
+
+
 def plan_table(report: dict) -> str:
     facts = report["machine"]
     parts = [
@@ -287,22 +406,27 @@ def plan_table(report: dict) -> str:
         "calibration; the table shows medians over the rounds, and the error the same runs "
         "would have against round 1's calibration alone. "
         "Memory is what the fullest rank added to its high-water mark (VmHWM) after "
-        f"TensorFlow's import, beside the prediction{_mode(report)}."
+        f"TensorFlow's import, beside the prediction{_mode(report)}. In sample: `plan "
+        "calibrate` ran that configuration itself, so its prediction repeats a timed run.",
+        plan_accuracy(report),
     ]
     for w in report["workloads"]:
         lines = [
-            f"**{w['model']}**: plan's first choice {w['first_choice']}, "
+            f"**{w['model']}**: plan's first choice {w['first_choice']} (in "
+            f"{w['first_choice_per_round'].count(w['first_choice'])} of "
+            f"{len(w['first_choice_per_round'])} rounds), "
             f"{w['first_choice_vs_fastest']:.2f} of the fastest measured "
-            f"({w['fastest_measured']}).",
+            f"({w['fastest_measured']}). {_plan_findings(w)}",
             "",
-            "| configuration | predicted samples/s | measured | error | error, round 1's "
-            "calibration | step ms predicted | compute | exposed comm | bubble "
+            "| configuration | in sample | predicted samples/s | measured | error | error, "
+            "round 1's calibration | step ms predicted | compute | exposed comm | bubble "
             "| memory MiB predicted / measured |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in w["configurations"]:
             lines.append(
-                f"| {r['configuration']} | {r['samples_per_sec']:.0f} | "
+                f"| {r['configuration']} | {'yes' if _in_sample(r) else 'no'} | "
+                f"{r['samples_per_sec']:.0f} | "
                 f"{r['measured_median']:.0f} | {r['error']:+.0%} | "
                 f"{r['error_against_round_1_calibration']:+.0%} | {r['step_ms']:.2f} | "
                 f"{r['compute_ms']:.2f} | {r['exposed_comm_ms']:.2f} | {r['bubble']:.2f} | "
@@ -313,6 +437,55 @@ def plan_table(report: dict) -> str:
     met = ", ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in report["targets"].items())
     parts.append(f"Targets: {met}.")
     return "\n\n".join(parts)
+
+
+def _in_sample(row: dict) -> bool:
+    """As the report recorded it, or, for a report older than that field, as decided now."""
+    return row.get("in_sample", in_sample(row))
+
+
+def _hits(rows: list[dict], key: str) -> str:
+    """How many of the rows' speed errors under `key` are within SPEED_TOLERANCE."""
+    return f"{sum(abs(r[key]) <= SPEED_TOLERANCE for r in rows)} of {len(rows)}"
+
+
+def plan_accuracy(report: dict) -> str:
+    """The headline: speed predictions of configurations calibration never ran (out of
+    sample), apart from those it ran itself (in sample), which test the cost model less."""
+    rows = [r for w in report["workloads"] for r in w["configurations"]]
+    outside = [r for r in rows if not _in_sample(r)]
+    inside = [r for r in rows if _in_sample(r)]
+    models = ", ".join(
+        f"{w['model']} {_hits([r for r in w['configurations'] if not _in_sample(r)], 'error')}"
+        for w in report["workloads"]
+    )
+    names = ", ".join(dict.fromkeys(r["configuration"] for r in inside))
+    return (
+        f"**Speed within {SPEED_TOLERANCE:.0%}, out of sample: {_hits(outside, 'error')}** "
+        f"predictions ({len(outside)} configurations `plan calibrate` never ran at this link "
+        f"speed: {models}); against round 1's calibration alone "
+        f"{_hits(outside, 'error_against_round_1_calibration')}. In sample ({names}, which "
+        f"calibration ran itself): {_hits(inside, 'error')}."
+    )
+
+
+def _plan_findings(workload: dict) -> str:
+    """What one model's rows say beyond the table: the best pipeline against data parallelism,
+    lossy fp16 against exact, the worst memory error and the worst single round."""
+    rows = {r["configuration"]: r for r in workload["configurations"]}
+    data, fp16 = rows["data"], rows["data fp16 (lossy)"]
+    pipelines = [r for name, r in rows.items() if name.startswith("pipeline")]
+    best = max(pipelines, key=lambda r: r["measured_median"])
+    rounds = [abs(e) for r in rows.values() for e in r["error_per_round"]]
+    memory = max(abs(r["memory_error"]) for r in rows.values())
+    return (
+        f"The fastest pipeline, {best['configuration']}, ran "
+        f"{best['measured_median'] / data['measured_median']:.2f} of data parallelism's "
+        f"samples/s (predicted {best['samples_per_sec'] / data['samples_per_sec']:.2f}); lossy "
+        f"fp16 ran {fp16['measured_median'] / data['measured_median']:.2f}x the exact data "
+        f"parallelism; memory is predicted within {memory:.0%} in all {len(rows)} "
+        f"configurations; a single round's speed error reached {max(rounds):.0%}."
+    )
 
 
 # Each page's generated block: the results it shows, in order (a name whose JSON is missing is
@@ -331,26 +504,55 @@ PAGE_RESULTS = {
         ("plan-cluster-200mbit", plan_table),
     ),
 }
+# Findings across all of a page's results, written before its tables.
+PAGE_SUMMARIES: dict[str, Callable[[list[dict]], str]] = {"data-parallel.md": dp_summary}
 SIMULATED_ON = "pipeline.md"
+
+
+def cpu_steal() -> str:
+    """The share of CPU time the hypervisor stole, over every benchmark run in the results."""
+    runs = [result(path.stem)["machine"] for path in sorted(RESULTS.glob("*.json"))]
+    return _span([m["cpu_steal_fraction"] for m in runs if "cpu_steal_fraction" in m], ".2%")
+
+
+def one_host_bubble() -> str:
+    """The bubble measured on one host, the schedules at M=2 against those at M=8."""
+    summary = result("pipeline")["summary"]
+
+    def at(m: int) -> str:
+        runs = [e for e in summary if e["contender"].endswith(f" M={m}")]
+        bubbles = [e["bubble_measured_median"] for e in runs]
+        return f"{_span(bubbles, '.2f')} at M={m}"
+
+    return f"{at(2)} to {at(8)}"
+
+
+# The inline figures a page may hold: `<!-- fig: NAME -->` ... `<!-- /fig -->`.
+FIGURES: dict[str, Callable[[], str]] = {
+    "cpu steal": cpu_steal,
+    "one-host bubble": one_host_bubble,
+}
 
 
 def generated_block(page: str) -> str:
     """The text between a page's markers, from the results as they are on disk now."""
-    sections = []
+    reports, sections = [], []
     for name, table in PAGE_RESULTS[page]:
-        path = RESULTS / f"{name}.json"
-        if path.exists():
-            sections.append(table(json.loads(path.read_text())))
+        if (RESULTS / f"{name}.json").exists():
+            reports.append(result(name))
+            sections.append(table(reports[-1]))
         if (RESULTS / f"{name}.png").exists():  # the site publishes the plots at results/
             sections.append(f"![{name} benchmark](../results/{name}.png)")
+    if reports and page in PAGE_SUMMARIES:
+        sections.insert(0, PAGE_SUMMARIES[page](reports))
     if page == SIMULATED_ON:
         sections.append(simulated_stages_table())
     return "\n\n".join(sections) or "(no results yet: run `ringtrain bench ...` first)"
 
 
-def regenerated(path: Path) -> str:
-    """The page with its block rewritten; one line and exit 1 when its markers are not right."""
-    text = path.read_text()
+def with_block(text: str, path: Path) -> str:
+    """A performance page with its block rewritten; one line and exit 1 when its markers are
+    not right."""
     if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
         sys.exit(
             f"docs_tables: {path.relative_to(ROOT)} needs one {BEGIN} line and, after it, one "
@@ -361,13 +563,36 @@ def regenerated(path: Path) -> str:
     return f"{head}{BEGIN}\n{generated_block(path.name)}\n{END}{tail}"
 
 
+def with_figures(text: str, path: Path) -> str:
+    """A page with every inline figure rewritten; one line and exit 1 naming an unknown one."""
+
+    def fill(span: re.Match) -> str:
+        name = span["name"].strip()
+        if name not in FIGURES:
+            sys.exit(
+                f"docs_tables: {path.relative_to(ROOT)}: no inline figure {name!r}; "
+                f"FIGURES has {', '.join(map(repr, FIGURES))}"
+            )
+        return f"{span[1]}{FIGURES[name]()}{span[4]}"
+
+    return SPAN.sub(fill, text)
+
+
+def regenerated(path: Path) -> str:
+    """The page as the results make it now: its block, if it is a performance page, and its
+    inline figures."""
+    text = path.read_text()
+    if path.parent == PAGES and path.name in PAGE_RESULTS:
+        text = with_block(text, path)
+    return with_figures(text, path)
+
+
 def main(argv: list[str]) -> None:
     check = argv == ["--check"]
     if argv and not check:
         sys.exit("usage: python benchmarks/docs_tables.py [--check]")
     stale = []
-    for page in PAGE_RESULTS:
-        path = PAGES / page
+    for path in doc_files():
         text = regenerated(path)
         if text != path.read_text():
             stale.append(path.relative_to(ROOT).as_posix())

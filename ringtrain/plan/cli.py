@@ -14,7 +14,9 @@ import json
 import os
 import re
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from ringtrain.bounded import RunFailed, run_bounded
 from ringtrain.config import TrainConfig, add_train_arguments, check_values
@@ -25,6 +27,7 @@ from ringtrain.pipeline.costs import LinkModel, MeasuredCurve
 from ringtrain.plan.costmodel import (
     FORMAT,
     Calibration,
+    Candidate,
     ElementCost,
     Prediction,
     plan,
@@ -260,10 +263,27 @@ def two_ranks(placement: list[str], module: str, *args: str) -> list[str]:
 
 
 REFERENCE_MICROBATCHES = (2, 8)
+# What `plan calibrate` runs itself, on 2 ranks at the planned global batch: ringtrain's
+# data-parallel engine without and with --fp16-allreduce (measure.py's engine blocks), and the
+# executor's 2-stage 1F1B at each of REFERENCE_MICROBATCHES (_executor_reference).
+CALIBRATION_RUNS = (
+    Candidate(2, 1),
+    Candidate(2, 1, fp16_allreduce=True),
+    *(Candidate(1, 2, "1f1b", count) for count in REFERENCE_MICROBATCHES),
+)
 # the run's own calibration reads 3 of its steps spread through it (the 1st, 11th and 21st of
 # 30): 8 steps put them within a fraction of a second, in one of this machine's slow or fast
 # spells, and every microbatch's action carried that spell into the prediction
 REFERENCE_STEPS = 30
+
+
+def in_sample(prediction: Mapping[str, Any]) -> bool:
+    """Whether `plan calibrate` ran this configuration itself, from its prediction's JSON
+    (Prediction.to_json: replicas, stages, flags). Predicted at the calibrated batch, such a
+    configuration repeats a run the calibration timed, so its error says little about the cost
+    model; `bench plan` reports it apart from the configurations calibration never ran."""
+    ran = {(c.dp_size, c.pp_size, tuple(c.flags())) for c in CALIBRATION_RUNS}
+    return (prediction["replicas"], prediction["stages"], tuple(prediction["flags"])) in ran
 
 
 def _executor_reference(
@@ -273,10 +293,10 @@ def _executor_reference(
     two microbatch sizes: their in-run calibration (each action's host time from the trace)
     shows what an action costs beyond the compute measured alone."""
     runs = []
-    for count in REFERENCE_MICROBATCHES:
+    for candidate in (c for c in CALIBRATION_RUNS if c.schedule):
+        count = candidate.microbatches
         metrics = tmp / f"reference-{count}.json"
-        flags = ["--strategy", "pipeline", "--schedule", "1f1b", "--microbatches", str(count)]
-        flags += ["--steps", str(REFERENCE_STEPS), "--progress", "none"]
+        flags = [*candidate.flags(), "--steps", str(REFERENCE_STEPS), "--progress", "none"]
         flags += ["--metrics-out", str(metrics)]
         cmd = two_ranks(placement, "ringtrain.cli", "train", *common, *flags)
         try:
