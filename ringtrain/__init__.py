@@ -28,6 +28,8 @@ _EXPORTS = {
     "transformer": "ringtrain.models",
     "load_weights": "ringtrain.weights",
     "train": "ringtrain.api",
+    "fit": "ringtrain.keras_model.fit",
+    "init": "ringtrain.runtime",
     "TrainResult": "ringtrain.api",
 }
 __all__ = sorted(_EXPORTS)

@@ -11,20 +11,22 @@ The CLI is a thin layer over this function.
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
 
 from ringtrain import heartbeat, log, loop, runtime
 from ringtrain.config import TrainConfig, check_paths
-from ringtrain.data import Dataset, step_plan
+from ringtrain.data import Dataset, UserData, step_plan
 from ringtrain.deadline import step_traffic, transfer_time
 from ringtrain.errors import UserError, alike_on_every_rank
 from ringtrain.guard import Watchdog, finite_on_every_rank, non_finite
 from ringtrain.launch.env import who_am_i
 from ringtrain.launch.keepalive import keepalive_warning
 from ringtrain.models import ModelSpec
-from ringtrain.validation import validate_flags
+from ringtrain.validation import validate_flags, validate_user_model
 from ringtrain.weights import save_npz
 
 
@@ -55,6 +57,60 @@ def train(spec: ModelSpec, data: Dataset, cfg: TrainConfig) -> TrainResult:
         validate_flags(cfg, me.world_size, len(spec))
         step_plan(len(data.x), cfg.batch_size, cfg.epochs, cfg.steps)
         _check_fit(spec)
+    if cfg.loop == "fit" and cfg.strategy in ("single", "data"):
+        from ringtrain.dataparallel.keras_fit import fit
+
+        return _run(
+            cfg, f"model of {len(spec)} elements", lambda w, dog: fit(spec, data, cfg, w, dog)
+        )
+    return _run(
+        cfg,
+        f"model of {len(spec)} elements",
+        _looped(data, cfg, lambda w: make_engine(spec, data, cfg, w)),
+    )
+
+
+def train_keras(
+    model, data: UserData, cfg: TrainConfig, given: Collection[str] = ()
+) -> TrainResult:
+    """`train` for a user's own compiled Keras model, which is trained in place. `given`
+    names the settings the caller chose (a compiled model refuses some of them)."""
+    from ringtrain.dataparallel.keras_engine import KerasDataParallelEngine
+    from ringtrain.keras_model.compiled import base_learning_rate, check_compiled
+
+    me = who_am_i()
+    with alike_on_every_rank(me.rank):
+        validate_user_model(cfg, me.world_size, given)
+        check_compiled(model, "the model")
+        step_plan(data.n_examples, cfg.batch_size, cfg.epochs, cfg.steps, True)
+        if base_learning_rate(model.optimizer) is None and (cfg.scale_lr or cfg.warmup_epochs):
+            raise UserError(
+                "--scale-lr and --warmup-epochs act on a constant compiled learning rate; "
+                "this model's optimizer has a schedule"
+            )
+    engine = lambda world: (KerasDataParallelEngine(model, data, cfg, world), world.size)  # noqa: E731
+    result = _run(cfg, f"Keras model {model.name!r}", _looped(data, cfg, engine))
+    if cfg.save and me.rank == 0 and result.weights is not None:
+        save_keras(model, cfg.save)
+    return result
+
+
+def _looped(data, cfg: TrainConfig, make):
+    """The shared loop on the engine `make(world)` builds: (metrics, gathered weights)."""
+
+    def run(world: runtime.World, watchdog: Watchdog):
+        engine, dp_size = make(world)
+        traffic = step_traffic(engine, cfg.microbatches)  # the deadline rule, for a whole step
+        watchdog.allow(transfer_time(traffic, cfg.min_link_rate))
+        metrics = loop.run(engine, data, cfg, world, dp_size, watchdog)
+        watchdog.kick("gathering the weights")
+        return metrics, engine.gather_weights()
+
+    return run
+
+
+def _run(cfg: TrainConfig, what: str, train_on) -> TrainResult:
+    """Start the runtime, train with `train_on(world, watchdog)`, write rank 0's outputs."""
     check_paths(cfg)
     world = runtime.start(
         with_horovod=cfg.strategy in ("data", "hybrid"),
@@ -65,22 +121,12 @@ def train(spec: ModelSpec, data: Dataset, cfg: TrainConfig) -> TrainResult:
     if world.size > 1:  # names the silent peer and its host when a collective stalls
         heartbeat.start(world.comm, cfg.comm_timeout, cfg.startup_timeout)
     log.info(
-        f"ringtrain: strategy {cfg.strategy}, {world.size} rank(s), model of {len(spec)} "
-        f"elements, global batch {cfg.batch_size}"
+        f"ringtrain: strategy {cfg.strategy}, {world.size} rank(s), {what}, "
+        f"global batch {cfg.batch_size}"
     )
     if world.rank == 0 and (warning := keepalive_warning()):
         log.any_rank(warning)
-    if cfg.loop == "fit" and cfg.strategy in ("single", "data"):
-        from ringtrain.dataparallel.keras_fit import fit
-
-        metrics, weights = fit(spec, data, cfg, world, watchdog)
-    else:
-        engine, dp_size = make_engine(spec, data, cfg, world)
-        traffic = step_traffic(engine, cfg.microbatches)  # the deadline rule, for a whole step
-        watchdog.allow(transfer_time(traffic, cfg.min_link_rate))
-        metrics = loop.run(engine, data, cfg, world, dp_size, watchdog)
-        watchdog.kick("gathering the weights")
-        weights = engine.gather_weights()
+    metrics, weights = train_on(world, watchdog)
     if not finite_on_every_rank(world.comm, (weights or {}).values()):  # the last update's
         raise non_finite("the weights became non-finite", metrics["steps"], world.rank, None)
     watchdog.stop()
@@ -92,11 +138,28 @@ def train(spec: ModelSpec, data: Dataset, cfg: TrainConfig) -> TrainResult:
         if cfg.metrics_out:
             with open(cfg.metrics_out, "w") as out:
                 json.dump(metrics, out, indent=1)
+        scores = ", ".join(f"held-out {k} {v:.4f}" for k, v in metrics["held_out"].items())
         log.info(
-            f"final loss {metrics['final_loss']:.4f}, held-out accuracy "
-            f"{metrics['test_accuracy']:.4f}, {metrics['samples_per_sec']:.0f} samples/s"
+            f"final loss {metrics['final_loss']:.4f}{', ' if scores else ''}{scores}, "
+            f"{metrics['samples_per_sec']:.0f} samples/s"
         )
     return TrainResult(metrics, weights)
+
+
+def save_keras(model, path: str) -> None:
+    """Keras's own format, written atomically; a custom piece Keras could not find again on
+    loading is named in one line, as a warning."""
+    from ringtrain.keras_model.compiled import unregistered
+
+    missing = unregistered(model)
+    if missing:
+        log.info(
+            f"warning: --save {path}: {', '.join(missing)} not registered; loading needs "
+            "@keras.saving.register_keras_serializable or custom_objects"
+        )
+    tmp = f"{path}.tmp-{os.getpid()}.keras"
+    model.save(tmp)
+    os.replace(tmp, path)
 
 
 def _check_fit(spec: ModelSpec) -> None:

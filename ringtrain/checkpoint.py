@@ -20,6 +20,7 @@ import numpy as np
 from ringtrain.comm import Link
 from ringtrain.errors import UserError
 from ringtrain.guard import agree, finite_on_every_rank, non_finite
+from ringtrain.weights import replica_checksums
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -282,6 +283,27 @@ class Checkpointable:
 
     def load_state(self, state: dict[str, np.ndarray]) -> None:
         load_training_state(self.variables, self.optimizer, state)
+
+
+class WholeModelReplica(Checkpointable):
+    """For data-parallel engines: every rank holds the whole model (`variables`), identical
+    on every replica, so rank 0's copy is the model and rank 0 alone writes it."""
+
+    def layout(self) -> dict:
+        return {"layout": "whole model"}
+
+    def checkpoint_part(self) -> str | None:
+        return "model" if self.world.rank == 0 else None
+
+    def read_part(self) -> str:
+        return "model"
+
+    def extra_metrics(self) -> dict:
+        return {"replica_checksums": replica_checksums(self.world.comm, self.variables)}
+
+    def epoch_scalars(self) -> dict[str, float]:
+        """Nothing beyond what the loop measures: data parallelism has no bubble."""
+        return {}
 
 
 def _inject_fault_before_manifest(step: int) -> None:

@@ -14,6 +14,7 @@ from ringtrain.config import (
     TrainConfig,
     add_train_arguments,
     check_paths,
+    is_model_function,
     is_schedule_file,
     options,
     shape_from_text,
@@ -27,6 +28,7 @@ from ringtrain.errors import (
     alike_on_every_rank,
     report,
 )
+from ringtrain.keras_model.source import check_target, load_function, parse_arguments
 
 PROG = "ringtrain"
 QUIET_RANK_GRACE_S = 10  # ample for rank 0 to print its line, even on a loaded node
@@ -62,10 +64,40 @@ def _rank_or_none() -> int | None:
         return None
 
 
+USER_MODEL_REFUSES = ("optimizer", "lr", "clip_norm", "accumulate", "bucket_mb", "loop")
+
+
+def add_train_command_arguments(p: argparse.ArgumentParser) -> None:
+    """train's flags, and the ones that name a user's own model and data."""
+    add_train_arguments(p)
+    # Absent unless typed, so a compiled model can refuse them even at their default value.
+    p.set_defaults(**dict.fromkeys(USER_MODEL_REFUSES))
+    p.add_argument(
+        "--model-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an argument for --model FUNCTION: VALUE as a Python literal, else as text",
+    )
+    p.add_argument(
+        "--data",
+        metavar="PATH.py:FUNCTION",
+        help="your own data for --model FUNCTION: FUNCTION returns (x, y) or "
+        "((x, y), (x_val, y_val)) as numpy arrays (instead of --dataset)",
+    )
+
+
+def typed_flags(args: argparse.Namespace) -> set[str]:
+    """The refusable flags given on the command line (the others default on the parser)."""
+    return {name for name in USER_MODEL_REFUSES if getattr(args, name) is not None}
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     values = {}
     for o in options():
         given = getattr(args, o.name)
+        if given is None and o.name in USER_MODEL_REFUSES:
+            given = o.default
         values[o.name] = shape_from_text(o.option, given) if o.kind is tuple else given
     if values["epochs"] is None and values["steps"] is None:
         values["epochs"] = CLI_EPOCHS
@@ -87,12 +119,16 @@ def _microbatches(strategy: str, schedule: str) -> int:
 
 def run_train(args: argparse.Namespace) -> int:
     """Every check that needs no model runs before TensorFlow loads (5 s of CPU per rank)."""
-    from ringtrain.validation import validate_flags
+    from ringtrain.validation import validate_flags, validate_user_model
 
     me = _who_am_i()
     with alike_on_every_rank(me.rank):  # flags first: the same verdict on every rank
         cfg = config_from_args(args)
-        validate_flags(cfg, me.world_size)
+        if is_model_function(cfg.model):
+            validate_user_model(cfg, me.world_size, typed_flags(args))
+        else:
+            validate_flags(cfg, me.world_size)
+        _check_user_flags(args, cfg)
     if me.source == "single" and shutil.which("mpirun") is None:
         # Without a launcher Open MPI starts a singleton, which still needs its runtime.
         raise UserError(
@@ -102,11 +138,79 @@ def run_train(args: argparse.Namespace) -> int:
     # Start-up: ranks reach this agreement as fast as ssh, Python and the libraries load them,
     # seconds apart on a loaded node, so it is bounded like the rest of start-up.
     wait_for = max(cfg.comm_timeout, cfg.startup_timeout)
+    if is_model_function(cfg.model):
+        return _finished(cfg, _train_user_model(args, cfg, me, wait_for))
     data = _agreed(lambda: _outputs_and_data(cfg), me, wait_for)
     from ringtrain.api import train  # TensorFlow loads here, once the inputs are known good
     from ringtrain.models import BUILTIN
 
-    result = train(BUILTIN[cfg.model](data.input_shape, data.n_classes), data, cfg)
+    return _finished(cfg, train(BUILTIN[cfg.model](data.input_shape, data.n_classes), data, cfg))
+
+
+def _check_user_flags(args: argparse.Namespace, cfg: TrainConfig) -> None:
+    """--model-arg and --data go with --model FUNCTION; --data replaces --dataset."""
+    if not is_model_function(cfg.model):
+        for flag, value in (("--model-arg", args.model_arg), ("--data", args.data)):
+            if value:
+                raise UserError(f"{flag} needs --model PATH.py:FUNCTION, your own model")
+    else:
+        check_target("--model", cfg.model)
+    if args.data:
+        check_target("--data", args.data)
+    if args.data and cfg.dataset != TrainConfig.dataset:
+        raise UserError("give either --data or --dataset, not both")
+    if cfg.save and not is_model_function(cfg.model):
+        raise UserError("--save writes a --model FUNCTION's model; built-ins have --weights-out")
+    parse_arguments(args.model_arg)
+
+
+def _train_user_model(args: argparse.Namespace, cfg: TrainConfig, me, wait_for: float):
+    """Load the user's data on every rank (agreed), then build their model after seeding, so
+    `keras.utils.set_random_seed(seed); build()` anywhere gives the run's initial weights."""
+    data = _agreed(lambda: _user_data(args, cfg), me, wait_for)
+    from ringtrain import runtime
+    from ringtrain.api import train_keras
+    from ringtrain.keras_model.compiled import check_compiled
+    from ringtrain.tensorflow_loader import tf  # noqa: F401  (before Keras)
+
+    # isort: split
+    import keras
+
+    runtime.init()  # before the user's code runs a TensorFlow op
+    with alike_on_every_rank(me.rank):  # the same files on every node: the same verdict
+        build = load_function("--model", cfg.model)
+        keras.utils.set_random_seed(cfg.seed)
+        model = build(**parse_arguments(args.model_arg))
+        check_compiled(model, f"--model {cfg.model}")
+    return train_keras(model, data, cfg, typed_flags(args))
+
+
+def _user_data(args: argparse.Namespace, cfg: TrainConfig):
+    """--data FUNCTION's arrays, or a --dataset's, with its held-out part for validation."""
+    from ringtrain.data import Examples, UserData, load_dataset
+
+    check_paths(cfg)
+    if args.data is None:
+        found = load_dataset(cfg.dataset, cfg.seed, cfg.synthetic_size, cfg.synthetic_shape)
+        return UserData(Examples(found.x, found.y), Examples(found.x_test, found.y_test))
+    from ringtrain import tensorflow_loader  # noqa: F401  (before the user's Keras import)
+
+    returned = load_function("--data", args.data)()
+    if (
+        isinstance(returned, tuple)
+        and len(returned) == 2
+        and all(isinstance(part, tuple) and len(part) == 2 for part in returned)
+    ):
+        return UserData(Examples(*returned[0]), Examples(*returned[1]))
+    if isinstance(returned, tuple) and len(returned) == 2:
+        return UserData(Examples(*returned))
+    raise UserError(
+        f"--data {args.data} returned {type(returned).__name__}; expected (x, y) or "
+        "((x, y), (x_val, y_val))"
+    )
+
+
+def _finished(cfg: TrainConfig, result) -> int:
     if result.metrics.get("finished", True):
         return 0
     # Not finished: 75 means "checkpointed, resume me"; without a checkpoint it is a failure.
@@ -160,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
         (
             "train",
             "train a model with one strategy (single, data, model, pipeline, hybrid)",
-            add_train_arguments,
+            add_train_command_arguments,
             run_train,
         ),
         (

@@ -30,6 +30,7 @@ PARTITIONS = ("uniform", "params", "time")
 PROGRESS = ("auto", "bar", "lines", "none")
 MPI_PROGRESS = ("auto", "thread", "off")
 MAX_SEED = 2**32 - 1  # what every seeded generator on the way accepts
+MODEL_FUNCTION = ":"  # --model PATH.py:FUNCTION (or package.module:FUNCTION)
 SCHEDULE_FILE = ".json"  # --schedule FILE.json: a schedule as `ringtrain schedule --json` prints it
 SHAPE_EXAMPLE = "32,32,3"
 # The command line's own defaults, where the Python API's would not suit a run from a shell:
@@ -102,6 +103,15 @@ def check_png(flag: str, path: str | None) -> None:
     check_writable(flag, path)
 
 
+def check_keras_file(flag: str, path: str | None) -> None:
+    """Keras saves its own format only to *.keras; say so before any work."""
+    if path is None:
+        return
+    if not path.endswith(".keras"):
+        raise UserError(f"{flag} {path}: Keras saves a model as PATH.keras, so name it *.keras")
+    check_writable(flag, path)
+
+
 @dataclass(frozen=True)
 class Flag:
     """How a field is given on the command line and which values it takes.
@@ -132,7 +142,15 @@ class TrainConfig:
     """Everything that decides what a run computes; identical on every rank."""
 
     strategy: str = field(default="data", metadata=flag("one of {choices}", choices=STRATEGIES))
-    model: str = field(default="mlp", metadata=flag("one of {choices}", choices=MODELS))
+    model: str = field(
+        default="mlp",
+        metadata=flag(
+            "one of {choices}, or your own: PATH.py:FUNCTION or package.module:FUNCTION, a "
+            "function returning a compiled keras.Model",
+            choices=MODELS,
+            or_file=MODEL_FUNCTION,
+        ),
+    )
     dataset: str = field(default="digits", metadata=flag("digits, synthetic or npz:PATH"))
     batch_size: int = field(default=64, metadata=flag("the global batch", bound=at_least(1)))
     epochs: int | None = field(
@@ -147,6 +165,13 @@ class TrainConfig:
     optimizer: str = field(default="adam", metadata=flag("one of {choices}", choices=OPTIMIZERS))
     lr: float = field(default=0.003, metadata=flag(bound=positive))
     seed: int = field(default=0, metadata=flag(bound=_seed_range))
+    shuffle: bool = field(
+        default=True,
+        metadata=flag(
+            "a new order of the examples each epoch, drawn from the seed and the epoch "
+            "(--no-shuffle: in order, as Keras's fit with shuffle=False)"
+        ),
+    )
     loop: str = field(default="custom", metadata=flag("one of {choices}", choices=LOOPS))
     accumulate: int = field(
         default=1,
@@ -284,6 +309,14 @@ class TrainConfig:
             path=check_writable,
         ),
     )
+    save: str | None = field(
+        default=None,
+        metadata=flag(
+            "rank 0 saves the trained model here in Keras's format (PATH.keras; a --model "
+            "FUNCTION's model only)",
+            path=check_keras_file,
+        ),
+    )
     trace: str | None = field(
         default=None, metadata=flag("Chrome-trace JSON of the pipeline run", path=check_writable)
     )
@@ -356,8 +389,9 @@ def add_train_arguments(p: argparse.ArgumentParser, names: Collection[str] | Non
         if o.flag.group and o.flag.group not in groups:
             groups[o.flag.group] = p.add_mutually_exclusive_group()
         into = groups[o.flag.group] if o.flag.group else p
-        if o.kind is bool:
-            into.add_argument(o.option, action="store_true", help=o.flag.describe())
+        if o.kind is bool:  # on by default: --x and --no-x, as Keras's own shuffle=True
+            action = argparse.BooleanOptionalAction if o.default else "store_true"
+            into.add_argument(o.option, action=action, default=o.default, help=o.flag.describe())
             continue
         into.add_argument(
             o.option,
@@ -393,8 +427,9 @@ def check_values(cfg: TrainConfig) -> None:
     given = [(o, value) for o in options() if (value := getattr(cfg, o.name)) is not None]
     for o, value in given:
         allowed, or_file = o.flag.choices, o.flag.or_file
-        if allowed and value not in allowed and not (or_file and value.endswith(or_file)):
-            listed = (*allowed, f"FILE{or_file}") if or_file else allowed
+        if allowed and value not in allowed and not (or_file and _file_form(or_file, value)):
+            shown = "PATH.py:FUNCTION" if or_file == MODEL_FUNCTION else f"FILE{or_file}"
+            listed = (*allowed, shown) if or_file else allowed
             raise UserError(f"unknown {o.option[2:]} {value!r}; choose one of {', '.join(listed)}")
     for o, value in given:
         if o.kind is float and not math.isfinite(value):
@@ -402,6 +437,16 @@ def check_values(cfg: TrainConfig) -> None:
     for o, value in given:
         if o.flag.bound and (wrong := o.flag.bound(value)):
             raise UserError(f"{o.option} {wrong}")
+
+
+def _file_form(form: str, value: str) -> bool:
+    """`--schedule FILE.json` ends with its suffix; `--model PATH.py:FUNCTION` holds a colon."""
+    return form in value if form == MODEL_FUNCTION else value.endswith(form)
+
+
+def is_model_function(model: str) -> bool:
+    """`--model` names a user's function rather than a built-in model."""
+    return _file_form(MODEL_FUNCTION, model)
 
 
 def check_paths(cfg: TrainConfig) -> None:

@@ -10,6 +10,7 @@ import importlib.util
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -32,6 +33,66 @@ class Dataset:
     @property
     def input_shape(self) -> tuple[int, ...]:
         return tuple(self.x.shape[1:])
+
+    @property
+    def n_examples(self) -> int:
+        return len(self.x)
+
+    keeps_partial_batch = False  # the built-in runs drop an epoch's last partial batch
+
+
+def _rows(arrays) -> int:
+    """Examples in an array or a dict of arrays (Keras's form for several inputs or outputs)."""
+    if isinstance(arrays, dict):
+        return len(next(iter(arrays.values())))
+    return len(arrays)
+
+
+def take(arrays, indices: np.ndarray):
+    """The rows `indices` of an array or of each array in a dict."""
+    if isinstance(arrays, dict):
+        return {k: v[indices] for k, v in arrays.items()}
+    return arrays[indices]
+
+
+@dataclass
+class Examples:
+    """A user's examples as Keras's `fit` takes them: x and y are arrays, or dicts of arrays
+    keyed by input or output name. Nothing is held out: validation data comes separately."""
+
+    x: Any
+    y: Any
+
+    def __post_init__(self):
+        counts = {_rows(a) for part in (self.x, self.y) for a in _arrays(part)}
+        if len(counts) != 1:
+            raise UserError(f"x and y must have one row per example; got row counts {counts}")
+        if not counts.pop():
+            raise UserError("x and y hold no examples")
+
+    def __len__(self) -> int:
+        return _rows(self.x)
+
+    def take(self, indices: np.ndarray) -> tuple[Any, Any]:
+        return take(self.x, indices), take(self.y, indices)
+
+
+def _arrays(part) -> list:
+    return list(part.values()) if isinstance(part, dict) else [part]
+
+
+@dataclass
+class UserData:
+    """Training examples and optional validation examples, for a user's own Keras model."""
+
+    train: Examples
+    validation: Examples | None = None
+
+    @property
+    def n_examples(self) -> int:
+        return len(self.train)
+
+    keeps_partial_batch = True  # as Keras's fit: an epoch is ceil(N / B) steps
 
 
 def _holdout(x: np.ndarray, y: np.ndarray, test_fraction: float, seed: int) -> Dataset:
@@ -129,20 +190,33 @@ def load_dataset(
     raise UserError(f"unknown dataset {name!r}; choose digits, synthetic or npz:PATH")
 
 
+def epoch_order(
+    n_examples: int, global_batch: int, seed: int, epoch: int, shuffle: bool, keep_partial: bool
+) -> list[np.ndarray]:
+    """The global batches of one epoch, as index arrays: a permutation drawn from (seed, epoch)
+    alone, or the examples in order; the last partial batch kept (Keras's fit) or dropped."""
+    steps, _ = step_plan(n_examples, global_batch, 1, None, keep_partial)
+    if shuffle:
+        order = np.random.default_rng([seed, epoch]).permutation(n_examples)
+    else:
+        order = np.arange(n_examples)
+    return [order[t * global_batch : (t + 1) * global_batch] for t in range(steps)]
+
+
 def epoch_batches(n_examples: int, global_batch: int, seed: int, epoch: int) -> np.ndarray:
-    """Index matrix (steps_per_epoch, global_batch); the last partial batch is dropped."""
-    steps = n_examples // global_batch
-    if steps == 0:
-        raise UserError(f"global batch {global_batch} exceeds the {n_examples} training examples")
-    order = np.random.default_rng([seed, epoch]).permutation(n_examples)
-    return order[: steps * global_batch].reshape(steps, global_batch)
+    """Index matrix (steps_per_epoch, global_batch) of shuffled, full batches."""
+    return np.stack(epoch_order(n_examples, global_batch, seed, epoch, True, False))
 
 
 def step_plan(
-    n_examples: int, global_batch: int, epochs: int | None, steps: int | None
+    n_examples: int,
+    global_batch: int,
+    epochs: int | None,
+    steps: int | None,
+    keep_partial: bool = False,
 ) -> tuple[int, int]:
     """(total optimizer steps, steps per epoch) for --epochs or --steps."""
-    per_epoch = n_examples // global_batch
+    per_epoch = -(-n_examples // global_batch) if keep_partial else n_examples // global_batch
     if per_epoch == 0:
         raise UserError(f"global batch {global_batch} exceeds the {n_examples} training examples")
     total = steps if steps is not None else (epochs or 1) * per_epoch
@@ -153,3 +227,9 @@ def shard(indices: np.ndarray, part: int, parts: int) -> np.ndarray:
     """The part-th contiguous slice of a batch: ranks, replicas and microbatches all use it."""
     size = len(indices) // parts
     return indices[part * size : (part + 1) * size]
+
+
+def uneven_shard(indices: np.ndarray, part: int, parts: int) -> np.ndarray:
+    """The part-th contiguous slice, every example in one: a partial batch of n leaves the
+    first n mod parts slices one longer (some may be empty)."""
+    return np.array_split(indices, parts)[part]

@@ -13,7 +13,7 @@ from ringtrain import log, tensorboard
 from ringtrain.checkpoint import RunCheckpoints
 from ringtrain.comm import Link
 from ringtrain.config import TrainConfig
-from ringtrain.data import Dataset, epoch_batches, step_plan
+from ringtrain.data import epoch_order, step_plan
 from ringtrain.guard import StopSignal, Watchdog, non_finite
 from ringtrain.optim import learning_rate
 from ringtrain.proc import resident_bytes
@@ -23,9 +23,11 @@ from ringtrain.weights import save_npz
 class Engine(Protocol):
     """What a strategy provides: one optimizer step on a global batch, evaluation, state."""
 
+    @property
+    def base_learning_rate(self) -> float | None: ...  # None: a compiled schedule rules
     def set_learning_rate(self, lr: float) -> None: ...
     def step(self, global_indices: np.ndarray) -> float: ...
-    def evaluate(self) -> float: ...
+    def evaluate(self) -> dict[str, float]: ...
     def gather_weights(self) -> dict[str, np.ndarray] | None: ...
     def extra_metrics(self) -> dict: ...
     def epoch_scalars(self) -> dict[str, float]: ...
@@ -76,7 +78,7 @@ def write_initial_weights(path: str, engine: Engine) -> None:
 
 def run(
     engine: Engine,
-    data: Dataset,
+    data,
     cfg: TrainConfig,
     world,
     dp_size: int,
@@ -87,7 +89,8 @@ def run(
     `metrics["finished"]` is False when a signal or --stop-after ended the run early. The
     caller's watchdog keeps running after the loop, for the gathers that follow.
     """
-    total, per_epoch = step_plan(len(data.x), cfg.batch_size, cfg.epochs, cfg.steps)
+    n_examples, keep_partial = data.n_examples, data.keeps_partial_batch
+    total, per_epoch = step_plan(n_examples, cfg.batch_size, cfg.epochs, cfg.steps, keep_partial)
     n_epochs = -(-total // per_epoch)
     checkpoints = RunCheckpoints(cfg, world, engine) if cfg.checkpoint_dir else None
     first, losses = checkpoints.restore() if checkpoints and cfg.resume else (0, [])
@@ -100,18 +103,23 @@ def run(
     stop, link = StopSignal(), Link(world.comm, cfg.comm_timeout)
     step_seconds: list[float] = []
     agreeing, clock = isinstance(engine, AgreeingEngine), PhaseClock()
-    accuracy, finished, started = float("nan"), True, time.perf_counter()
+    history: dict[str, list[float]] = {"loss": []}
+    held_out, finished, started = {}, True, time.perf_counter()
     for step in range(first, total):
         epoch, i = divmod(step, per_epoch)
         if i == 0 or step == first:
-            batches = epoch_batches(len(data.x), cfg.batch_size, cfg.seed, epoch)
+            batches = epoch_order(
+                n_examples, cfg.batch_size, cfg.seed, epoch, cfg.shuffle, keep_partial
+            )
             label, steps = f"epoch {epoch + 1}/{n_epochs}", min(per_epoch - i, total - step)
             progress = log.EpochProgress(style, label, steps)
         counted = step > first
         clock.lap("loop", counted)
         tick = clock.mark
-        lr = learning_rate(cfg, step / per_epoch, dp_size)
-        engine.set_learning_rate(lr)
+        lr = None  # a user's compiled schedule sets its own rate
+        if (base := engine.base_learning_rate) is not None:
+            lr = learning_rate(cfg, step / per_epoch, dp_size, base)
+            engine.set_learning_rate(lr)
         watchdog.kick(f"step {step + 1}")
         clock.lap("learning_rate", counted)
         if agreeing:
@@ -128,7 +136,8 @@ def run(
         step_seconds.append(clock.mark - tick)  # learning rate, step and agreement
         progress.update(loss)
         if board:  # on the optimizer-step axis: a resumed run continues the same curves
-            rates = {"learning_rate": lr, "samples_per_sec": cfg.batch_size / step_seconds[-1]}
+            rates = {"samples_per_sec": cfg.batch_size / step_seconds[-1]}
+            rates |= {"learning_rate": lr} if lr is not None else {}
             board.write(step + 1, {"loss": loss, **rates})
         if step == first:  # its graphs are traced: --comm-timeout alone from here, from now
             watchdog.settle(f"the end of step {step + 1}")
@@ -144,12 +153,16 @@ def run(
             checkpoints.save(step + 1, epoch, losses)
         if i == per_epoch - 1 or step == total - 1:  # an epoch ends, even on a stop: report it
             watchdog.kick(f"evaluation after step {step + 1}")
-            accuracy = engine.evaluate()
+            held_out = engine.evaluate()
             epoch_loss = float(np.mean(losses[step - i :]))
-            progress.end({"loss": epoch_loss, "held-out accuracy": accuracy})
+            history["loss"].append(epoch_loss)
+            for name, value in held_out.items():
+                history.setdefault(f"val_{name}", []).append(value)
+            progress.end({"loss": epoch_loss, **{f"held-out {k}": v for k, v in held_out.items()}})
             measured = engine.epoch_scalars() if cfg.tensorboard else {}  # every rank joins
             if board:
-                board.write(step + 1, {"held_out_accuracy": accuracy, **measured}, flush=True)
+                scalars = {f"held_out_{k}": v for k, v in held_out.items()}
+                board.write(step + 1, {**scalars, **measured}, flush=True)
         clock.lap("checkpoints_and_evaluation", counted)
         if stopping and step + 1 < total:
             finished = False
@@ -172,7 +185,9 @@ def run(
         "global_batch": cfg.batch_size,
         "losses": losses,
         "final_loss": losses[-1] if losses else float("nan"),
-        "test_accuracy": accuracy,
+        "test_accuracy": held_out.get("accuracy", float("nan")),
+        "held_out": held_out,
+        "history": history,
         "samples_per_sec": cfg.batch_size * len(steady) / sum(steady) if steady else 0.0,
         "seconds": seconds,
         "step_breakdown_ms": clock.means_ms(),

@@ -32,15 +32,19 @@ class LearningRate:
             self.value = lr
 
 
-def learning_rate(cfg: TrainConfig, epoch_progress: float, dp_size: int) -> float:
-    """--lr, optionally scaled by the replica count (dp_size) and reached by a linear warm-up.
+def learning_rate(
+    cfg: TrainConfig, epoch_progress: float, dp_size: int, base: float | None = None
+) -> float:
+    """The base rate (--lr, or `base`: a user's compiled constant rate), optionally scaled by the
+    replica count (dp_size) and reached by a linear warm-up.
 
     Scaling suits users who keep the per-rank batch fixed as they add ranks (Goyal et al., 2017);
     both options are off by default so runs stay exactly comparable across strategies. The
     warm-up is what Horovod's users know: it starts at the target divided by the replica count
     (so at --lr under --scale-lr) and reaches the target linearly after `warmup_epochs`.
     """
-    target = cfg.lr * dp_size if cfg.scale_lr else cfg.lr
+    base = cfg.lr if base is None else base
+    target = base * dp_size if cfg.scale_lr else base
     if cfg.warmup_epochs > 0 and epoch_progress < cfg.warmup_epochs:
         start = target / dp_size
         return start + (target - start) * epoch_progress / cfg.warmup_epochs

@@ -118,6 +118,41 @@ def start_mpi(local_size: int):
     return MPI.COMM_WORLD
 
 
+_sized: list[bool] = []  # whether this process's thread pools were sized by ringtrain
+
+
+def size_threads(with_horovod: bool = True) -> bool:
+    """Size TensorFlow's thread pools to this rank's share of the cores, and pick its GPU.
+    Possible only before TensorFlow runs its first op; False when it already has (and
+    ringtrain did not size them first)."""
+    if _sized:
+        return _sized[0]
+    me = who_am_i()
+    from ringtrain.tensorflow_loader import tf
+
+    threads = default_threads(me.local_size)
+    try:
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        tf.config.threading.set_inter_op_parallelism_threads(
+            inter_op_threads(threads, with_horovod)
+        )
+        gpus = tf.config.list_physical_devices("GPU")
+        if gpus:  # one GPU per rank, chosen by local rank
+            tf.config.set_visible_devices(gpus[me.local_rank % len(gpus)], "GPU")
+    except RuntimeError:  # "cannot be modified after initialization"
+        _sized.append(False)
+        return False
+    _sized.append(True)
+    return True
+
+
+def init() -> None:
+    """For a script that builds its own Keras model: call first, so each rank's TensorFlow
+    runs on its share of the cores (as horovod's users call hvd.init() first)."""
+    start_mpi(who_am_i().local_size)
+    size_threads()
+
+
 def start(
     with_horovod: bool, process_sets: list[list[int]] | None = None, horovod_later: bool = False
 ) -> World:
@@ -125,17 +160,12 @@ def start(
     `horovod_later` sizes them for a Horovod that the caller starts itself (the benchmarks)."""
     me = who_am_i()
     comm = start_mpi(me.local_size)
-    from ringtrain.tensorflow_loader import tf
-
-    threads = default_threads(me.local_size)
-    tf.config.threading.set_intra_op_parallelism_threads(threads)
-    tf.config.threading.set_inter_op_parallelism_threads(
-        inter_op_threads(threads, with_horovod or horovod_later)
-    )
-    gpus = tf.config.list_physical_devices("GPU")
-    if gpus:  # one GPU per rank, chosen by local rank
-        tf.config.set_visible_devices(gpus[me.local_rank % len(gpus)], "GPU")
     log.set_rank(comm.Get_rank())
+    if not size_threads(with_horovod or horovod_later) and comm.Get_rank() == 0:
+        log.info(
+            "warning: TensorFlow ran before ringtrain started, so its thread pools keep their "
+            "default size; call ringtrain.init() before building the model"
+        )
     hvd, sets = None, []
     if with_horovod:
         import horovod.tensorflow as hvd

@@ -8,6 +8,8 @@ the same verdict before the first collective and no rank is left waiting for ano
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from ringtrain.config import TrainConfig, check_paths, check_values, pp_size_of
 from ringtrain.errors import UserError
 from ringtrain.pipeline.schedule import pipeline_schedule
@@ -18,6 +20,39 @@ def validate(cfg: TrainConfig, world_size: int, n_elements: int | None = None) -
     """Raise UserError for the first problem in the flags or the output paths."""
     validate_flags(cfg, world_size, n_elements)
     check_paths(cfg)
+
+
+USER_MODEL_STRATEGIES = ("single", "data")
+BUILT_IN_ONLY = {  # flags that configure ringtrain's own models, or its custom loop's extras
+    "optimizer": "the compiled optimizer",
+    "lr": "the compiled learning rate",
+    "clip_norm": "the compiled optimizer's clipnorm, clipvalue or global_clipnorm",
+    "accumulate": "the compiled optimizer's gradient_accumulation_steps",
+    "bucket_mb": None,
+    "loop": None,
+}
+
+
+def validate_user_model(cfg: TrainConfig, world_size: int, given: Collection[str] = ()) -> None:
+    """The flags a user's own compiled model can run with; `given` names the flags set on the
+    command line (the Python API passes what its caller set)."""
+    check_values(cfg)
+    if cfg.epochs is not None and cfg.steps is not None:
+        raise UserError("give either --epochs or --steps, not both")
+    if cfg.strategy not in USER_MODEL_STRATEGIES:
+        raise UserError(
+            f"a model from --model FUNCTION or ringtrain.fit runs under --strategy "
+            f"{' or '.join(USER_MODEL_STRATEGIES)} so far, not {cfg.strategy}"
+        )
+    if cfg.strategy == "single" and world_size > 1:
+        raise UserError(f"--strategy single runs on one rank, but {world_size} were launched")
+    for name, instead in BUILT_IN_ONLY.items():
+        if name in given:
+            flag = "--" + name.replace("_", "-")
+            use = f"; set {instead} in compile() instead" if instead else ""
+            raise UserError(f"{flag} does not apply to a compiled model{use}")
+    if cfg.batch_size < world_size:
+        raise UserError(f"global batch {cfg.batch_size} is smaller than the {world_size} ranks")
 
 
 def validate_flags(cfg: TrainConfig, world_size: int, n_elements: int | None = None) -> None:

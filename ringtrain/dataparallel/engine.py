@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from ringtrain.checkpoint import Checkpointable
+from ringtrain.checkpoint import WholeModelReplica
 from ringtrain.config import TrainConfig
 from ringtrain.data import Dataset, shard
 from ringtrain.dataparallel.collectives import average_gradients, broadcast_state, buckets
@@ -17,10 +17,10 @@ from ringtrain.models import ModelSpec, forward, loss_fn, trainable_variables
 from ringtrain.optim import LearningRate, make_optimizer
 from ringtrain.runtime import World
 from ringtrain.tensorflow_loader import tf
-from ringtrain.weights import named_weights, replica_checksums, variable_bytes
+from ringtrain.weights import named_weights, variable_bytes
 
 
-class DataParallelEngine(Checkpointable):
+class DataParallelEngine(WholeModelReplica):
     """Every rank holds the whole model and trains on its slice of each global batch."""
 
     def __init__(self, spec: ModelSpec, data: Dataset, cfg: TrainConfig, world: World):
@@ -75,6 +75,10 @@ class DataParallelEngine(Checkpointable):
             return loss, stop
         return loss, stop, tf.stack([_clock(after) - began[0] for after in [raw, *arrived]])
 
+    @property
+    def base_learning_rate(self) -> float:
+        return self.cfg.lr
+
     def set_learning_rate(self, lr: float) -> None:
         self._lr.set(lr)
 
@@ -99,32 +103,16 @@ class DataParallelEngine(Checkpointable):
         ms = [float(t) * 1e3 for t in times.numpy()]
         return {"backward_end_ms": ms[0], "bucket_arrival_ms": ms[1:]}
 
-    def evaluate(self) -> float:
+    def evaluate(self) -> dict[str, float]:
         predict = lambda x: self._predict(x).numpy()  # noqa: E731
-        return sharded_accuracy(
+        accuracy = sharded_accuracy(
             predict, self.data, self.world.comm, self.world.rank, self.world.size
         )
+        return {"accuracy": accuracy}
 
     def gather_weights(self) -> dict[str, np.ndarray] | None:
         """Replicas are identical, so rank 0's copy is the model."""
         return named_weights(self.elements) if self.world.rank == 0 else None
-
-    def layout(self) -> dict:
-        return {"layout": "whole model"}
-
-    def checkpoint_part(self) -> str | None:
-        """Replicas are identical, so rank 0 alone writes."""
-        return "model" if self.world.rank == 0 else None
-
-    def read_part(self) -> str:
-        return "model"
-
-    def extra_metrics(self) -> dict:
-        return {"replica_checksums": replica_checksums(self.world.comm, self.variables)}
-
-    def epoch_scalars(self) -> dict[str, float]:
-        """Nothing beyond what the loop measures: data parallelism has no bubble."""
-        return {}
 
 
 def _clock(after: list) -> tf.Tensor:

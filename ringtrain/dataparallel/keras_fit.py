@@ -189,6 +189,7 @@ def fit(spec: ModelSpec, data: Dataset, cfg: TrainConfig, world: World, watchdog
         "losses": recorder.losses,
         "final_loss": recorder.losses[-1],
         "test_accuracy": accuracy,
+        "held_out": {"accuracy": accuracy},
         "samples_per_sec": cfg.batch_size * total / seconds,
         "seconds": seconds,
         "config": cfg.as_dict(),

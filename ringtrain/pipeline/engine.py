@@ -310,6 +310,10 @@ class PipelineEngine(Checkpointable):
         return [dict(zip(COMPUTE, row.tolist(), strict=True)) for row in table]
 
     # ---- one optimizer step -------------------------------------------------------------
+    @property
+    def base_learning_rate(self) -> float:
+        return self.cfg.lr
+
     def set_learning_rate(self, lr: float) -> None:
         self._lr.set(lr)
 
@@ -480,7 +484,7 @@ class PipelineEngine(Checkpointable):
         self.ready[t] = self.inbox.take(t)
 
     # ---- evaluation, weights, metrics ---------------------------------------------------
-    def evaluate(self) -> float:
+    def evaluate(self) -> dict[str, float]:
         """Forward-only pass through the stages in order; nothing gathers the whole model."""
         mine = np.arange(len(self.data.x_test))[self.dp_rank :: self.dp_size]
         stage_ranks, correct = self.schedule.stage_ranks, 0
@@ -501,7 +505,7 @@ class PipelineEngine(Checkpointable):
                     self.link.send_buffer(out, stage_ranks[s + 1], tag, "evaluation activations")
                     self.link.flush()
         total = len(mine) if self.n_stages - 1 in self.local_stages else 0
-        return count_accuracy(self.world.comm, correct, total)
+        return {"accuracy": count_accuracy(self.world.comm, correct, total)}
 
     def _evaluation_tag(self, stage: int) -> int:
         """Above every training message's tag, one per sending stage."""

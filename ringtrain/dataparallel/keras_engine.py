@@ -1,0 +1,87 @@
+"""Data parallelism for a user's own compiled Keras model: the model object itself trains.
+
+Every rank holds the user's model and its compiled optimizer, starts from rank 0's weights
+and slots, and takes a contiguous share of each global batch (uneven when the batch does not
+divide, as an epoch's partial last batch). Its loss is rescaled so that Horovod's average of
+the replicas' gradients is the gradient of the loss Keras computes over the whole batch; the
+optimizer then applies it as Keras's `fit` would, with everything `compile` gave it (clipping,
+schedules, weight decay). Frozen layers have no gradient, so they send no allreduce bytes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ringtrain.checkpoint import WholeModelReplica
+from ringtrain.config import TrainConfig
+from ringtrain.data import UserData, uneven_shard
+from ringtrain.dataparallel.collectives import average_gradients, broadcast_state
+from ringtrain.keras_model.compiled import (
+    HeldOutMetrics,
+    base_learning_rate,
+    global_loss,
+    loss_share,
+    reduction_kind,
+)
+from ringtrain.optim import LearningRate
+from ringtrain.runtime import World
+from ringtrain.tensorflow_loader import tf
+
+
+class KerasDataParallelEngine(WholeModelReplica):
+    """The user's model, replicated; one compiled step per global batch."""
+
+    def __init__(self, model, data: UserData, cfg: TrainConfig, world: World):
+        self.model, self.data, self.cfg, self.world = model, data, cfg, world
+        self.hvd = world.hvd if world.size > 1 else None
+        self.trainable = list(model.trainable_variables)
+        self.optimizer = model.optimizer
+        self.optimizer.build(self.trainable)
+        self.variables = list(model.weights)  # what a checkpoint holds: frozen ones too
+        if self.hvd is not None:
+            broadcast_state(self.hvd, self.variables + list(self.optimizer.variables))
+        self.kind = reduction_kind(model)
+        self.base_learning_rate = base_learning_rate(self.optimizer)
+        self._lr = LearningRate(self.optimizer)
+        self._train_step = tf.function(self._step_graph, reduce_retracing=True)
+        self._held_out = HeldOutMetrics(model, world.comm)
+
+    def _step_graph(self, x, y, share: tf.Tensor, stop: tf.Tensor):
+        """The loss and the stop flag ride in the gradients' allreduce, so every rank sees the
+        same loss and agrees on stopping without a collective of its own."""
+        with tf.GradientTape() as tape:
+            y_pred = self.model(x, training=True)
+            loss = global_loss(self.model, x, y, y_pred, share)
+        grads = tape.gradient(loss, self.trainable, unconnected_gradients="zero")
+        if self.hvd is not None:
+            *grads, loss, stop = average_gradients(
+                self.hvd, [*grads, loss, stop], self.cfg.fp16_allreduce
+            )
+        self.optimizer.apply_gradients(zip(grads, self.trainable, strict=True))
+        return loss, stop
+
+    def set_learning_rate(self, lr: float) -> None:
+        self._lr.set(lr)
+
+    def step(self, global_indices: np.ndarray) -> float:
+        return self.step_agreeing(global_indices, False)[0]
+
+    def step_agreeing(self, global_indices: np.ndarray, stop_requested: bool) -> tuple[float, bool]:
+        """One update on the global batch `global_indices`; (its loss, whether any rank asked
+        to stop)."""
+        local = uneven_shard(global_indices, self.world.rank, self.world.size)
+        share = loss_share(self.kind, len(local), len(global_indices), self.world.size)
+        x, y = self.data.train.take(local)
+        loss, anyone = self._train_step(x, y, np.float32(share), np.float32(stop_requested))
+        return float(loss), float(anyone) > 0
+
+    def evaluate(self) -> dict[str, float]:
+        if self.data.validation is None:
+            return {}
+        return self._held_out(self.data.validation, self.world.rank, self.world.size)
+
+    def gather_weights(self) -> dict[str, np.ndarray] | None:
+        """Replicas are identical, so rank 0's copy is the model."""
+        if self.world.rank != 0:
+            return None
+        return {v.path: np.asarray(v.numpy()) for v in self.trainable}
