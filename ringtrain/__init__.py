@@ -28,7 +28,7 @@ _EXPORTS = {
     "transformer": "ringtrain.models",
     "load_weights": "ringtrain.weights",
     "train": "ringtrain.api",
-    "fit": "ringtrain.keras_model.fit",
+    "fit": "ringtrain.api",
     "init": "ringtrain.runtime",
     "TrainResult": "ringtrain.api",
 }

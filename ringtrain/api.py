@@ -1,4 +1,5 @@
-"""The Python entry point: train a model (a list of elements) on arrays with any strategy.
+"""The Python entry points: `fit` a user's own compiled Keras model, as Keras's `fit` would
+on one process, or `train` a built-in model (a list of elements), under any strategy.
 
     from ringtrain import TrainConfig, train, mlp, load_digits
     data = load_digits()
@@ -13,19 +14,21 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 import numpy as np
 
 from ringtrain import heartbeat, log, loop, runtime
-from ringtrain.config import TrainConfig, check_paths
-from ringtrain.data import Dataset, UserData, step_plan
+from ringtrain.config import TrainConfig, check_paths, pp_size_of
+from ringtrain.data import Dataset, Examples, UserData, step_plan
 from ringtrain.deadline import step_traffic, transfer_time
 from ringtrain.errors import UserError, alike_on_every_rank
 from ringtrain.guard import Watchdog, finite_on_every_rank, non_finite
 from ringtrain.launch.env import who_am_i
 from ringtrain.launch.keepalive import keepalive_warning
 from ringtrain.models import ModelSpec
+from ringtrain.pipeline.schedule import pipeline_schedule
 from ringtrain.validation import validate_flags, validate_user_model
 from ringtrain.weights import save_npz
 
@@ -73,9 +76,9 @@ def train(spec: ModelSpec, data: Dataset, cfg: TrainConfig) -> TrainResult:
 def train_keras(
     model, data: UserData, cfg: TrainConfig, given: Collection[str] = ()
 ) -> TrainResult:
-    """`train` for a user's own compiled Keras model, which is trained in place. `given`
-    names the settings the caller chose (a compiled model refuses some of them)."""
-    from ringtrain.dataparallel.keras_engine import KerasDataParallelEngine
+    """`train` for a user's own compiled Keras model, which ends up trained on rank 0 (on
+    every rank under data parallelism). `given` names the settings the caller chose (a
+    compiled model refuses some of them)."""
     from ringtrain.keras_model.compiled import base_learning_rate, check_compiled
 
     me = who_am_i()
@@ -88,11 +91,44 @@ def train_keras(
                 "--scale-lr and --warmup-epochs act on a constant compiled learning rate; "
                 "this model's optimizer has a schedule"
             )
-    engine = lambda world: (KerasDataParallelEngine(model, data, cfg, world), world.size)  # noqa: E731
-    result = _run(cfg, f"Keras model {model.name!r}", _looped(data, cfg, engine))
-    if cfg.save and me.rank == 0 and result.weights is not None:
-        save_keras(model, cfg.save)
+        make = _keras_engine(model, data, cfg, me.world_size)
+    result = _run(cfg, f"Keras model {model.name!r}", _looped(data, cfg, make))
+    if result.weights is not None:  # rank 0: the stages' weights, gathered
+        by_path = {v.path: v for v in model.weights}
+        for name, value in result.weights.items():
+            by_path[name].assign(value)
+        if cfg.save:
+            save_keras(model, cfg.save)
     return result
+
+
+def _keras_engine(model, data: UserData, cfg: TrainConfig, world_size: int):
+    """What builds the engine once the runtime runs; a graph that cannot be cut as asked is
+    refused here, before it starts, alike on every rank."""
+    if pp_size_of(cfg, world_size) == 1:
+        from ringtrain.dataparallel.keras_engine import KerasDataParallelEngine
+
+        return lambda world: (KerasDataParallelEngine(model, data, cfg, world), world.size)
+    from ringtrain.keras_model.graph import split_graph
+    from ringtrain.pipeline.engine import PipelineEngine
+    from ringtrain.pipeline.split import GraphPlan
+
+    if model.losses or any(
+        getattr(layer, "activity_regularizer", None) for layer in model._flatten_layers()
+    ):
+        raise UserError(
+            "a model with added losses (regularisers, add_loss) runs under single and data "
+            "so far, not in pipeline stages"
+        )
+    plan = GraphPlan(model, split_graph(model))
+    stages = pipeline_schedule(cfg, pp_size_of(cfg, world_size)).n_stages
+    plan.check_cuts(cfg.split_at.split(",") if cfg.split_at else None, stages)
+
+    def make(world):
+        engine = PipelineEngine(plan, data, cfg, world)
+        return engine, engine.grid.dp_size
+
+    return make
 
 
 def _looped(data, cfg: TrainConfig, make):
@@ -179,3 +215,64 @@ def _hybrid_process_sets(cfg: TrainConfig) -> list[list[int]] | None:
 
     world_size = who_am_i().world_size
     return Grid(world_size, cfg.pp_size).dp_groups()
+
+
+OWN_ARGUMENTS = ("strategy", "batch_size", "epochs", "steps", "shuffle")
+NOT_OPTIONS = ("model", "dataset", "synthetic_size", "synthetic_shape", *OWN_ARGUMENTS)
+
+
+def fit(
+    model,
+    x,
+    y=None,
+    *,
+    strategy: str = "data",
+    batch_size: int,
+    epochs: int | None = None,
+    steps: int | None = None,
+    shuffle: bool = True,
+    validation_data: tuple | None = None,
+    **options: Any,
+):
+    """Train `model` on numpy arrays (dicts of them for several inputs or outputs) as Keras's
+    `fit` would on one process with this global batch; return a keras.callbacks.History whose
+    `history` holds the loss per epoch and, with validation_data, `val_` + each compiled
+    metric. Nothing is held out of x. With shuffle=False, global batch t is examples
+    [t*B, (t+1)*B) and an epoch's last batch may be partial, as in Keras."""
+    allowed = {f.name for f in fields(TrainConfig)} - set(NOT_OPTIONS)
+    for name in options:
+        if name not in allowed:
+            raise UserError(f"fit() has no option {name!r}; it takes ringtrain train's flags")
+    if y is None:
+        raise UserError("fit() needs y, the targets of x, as numpy arrays")
+    validation = None
+    if validation_data is not None:
+        if not isinstance(validation_data, tuple) or len(validation_data) != 2:
+            raise UserError("validation_data must be a tuple (x_val, y_val)")
+        validation = Examples(*validation_data)
+    cfg = TrainConfig(
+        strategy=strategy,
+        model=f"python:{model.name}",
+        batch_size=batch_size,
+        epochs=epochs if epochs is not None or steps is not None else 1,
+        steps=steps,
+        shuffle=shuffle,
+        **options,
+    )
+    result = train_keras(model, UserData(Examples(x, y), validation), cfg, given=set(options))
+    return history_of(model, result.metrics)
+
+
+def history_of(model, metrics: dict):
+    """The run's per-epoch figures as the History object Keras's own fit returns."""
+    from ringtrain.tensorflow_loader import tf  # noqa: F401  (before Keras)
+
+    # isort: split
+    import keras
+
+    history = keras.callbacks.History()
+    history.set_model(model)
+    history.history = metrics.get("history", {})
+    history.epoch = list(range(len(history.history.get("loss", []))))
+    history.params = {"epochs": metrics.get("epochs"), "steps": metrics.get("steps")}
+    return history

@@ -237,6 +237,14 @@ class TrainConfig:
             choices=PARTITIONS,
         ),
     )
+    split_at: str | None = field(
+        default=None,
+        metadata=flag(
+            "LAYER,...: each of the P-1 named layers of a --model FUNCTION's graph begins a new "
+            "stage (instead of --partition)",
+            metavar="LAYER,...",
+        ),
+    )
     pp_size: int | None = field(default=None, metadata=flag("stages per pipeline (hybrid)"))
     comm_timeout: float = field(
         default=120.0,

@@ -40,6 +40,14 @@ class Dataset:
 
     keeps_partial_batch = False  # the built-in runs drop an epoch's last partial batch
 
+    @property
+    def train(self) -> Examples:
+        return Examples(self.x, self.y)
+
+    @property
+    def validation(self) -> Examples:
+        return Examples(self.x_test, self.y_test)
+
 
 def _rows(arrays) -> int:
     """Examples in an array or a dict of arrays (Keras's form for several inputs or outputs)."""

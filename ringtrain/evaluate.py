@@ -31,3 +31,18 @@ def count_accuracy(comm, correct: int, total: int) -> float:
     counts = np.array([correct, total], dtype=np.int64)
     comm.Allreduce(np.copy(counts), counts)
     return float(counts[0] / max(1, counts[1]))
+
+
+class AccuracyScorer:
+    """Held-out accuracy of class scores, counted where the last stage runs, summed over
+    every rank (the others count nothing)."""
+
+    def reset(self) -> None:
+        self.correct = self.total = 0
+
+    def update(self, scores, y: np.ndarray) -> None:
+        self.correct += int(np.sum(np.argmax(scores.numpy(), axis=-1) == y))
+        self.total += len(y)
+
+    def result(self, comm, _scored_here: bool) -> dict[str, float]:
+        return {"accuracy": count_accuracy(comm, self.correct, self.total)}

@@ -22,7 +22,6 @@ def validate(cfg: TrainConfig, world_size: int, n_elements: int | None = None) -
     check_paths(cfg)
 
 
-USER_MODEL_STRATEGIES = ("single", "data")
 BUILT_IN_ONLY = {  # flags that configure ringtrain's own models, or its custom loop's extras
     "optimizer": "the compiled optimizer",
     "lr": "the compiled learning rate",
@@ -39,20 +38,26 @@ def validate_user_model(cfg: TrainConfig, world_size: int, given: Collection[str
     check_values(cfg)
     if cfg.epochs is not None and cfg.steps is not None:
         raise UserError("give either --epochs or --steps, not both")
-    if cfg.strategy not in USER_MODEL_STRATEGIES:
+    if cfg.split_at and pp_size_of(cfg, world_size) == 1:
+        raise UserError(f"--split-at cuts pipeline stages, not --strategy {cfg.strategy}")
+    _validate_strategy_shape(cfg, world_size)
+    pp_size = pp_size_of(cfg, world_size)
+    _validate_pipeline(cfg, pp_size, None)
+    if cfg.partition == "time":
         raise UserError(
-            f"a model from --model FUNCTION or ringtrain.fit runs under --strategy "
-            f"{' or '.join(USER_MODEL_STRATEGIES)} so far, not {cfg.strategy}"
+            "--partition time times built-in elements; a graph splits by uniform or params "
+            "(its default)"
         )
-    if cfg.strategy == "single" and world_size > 1:
-        raise UserError(f"--strategy single runs on one rank, but {world_size} were launched")
+    shares = world_size // pp_size * (cfg.microbatches if pp_size > 1 else 1)
+    if cfg.batch_size < shares:
+        raise UserError(
+            f"global batch {cfg.batch_size} is smaller than the {shares} shares it is cut into"
+        )
     for name, instead in BUILT_IN_ONLY.items():
         if name in given:
             flag = "--" + name.replace("_", "-")
             use = f"; set {instead} in compile() instead" if instead else ""
             raise UserError(f"{flag} does not apply to a compiled model{use}")
-    if cfg.batch_size < world_size:
-        raise UserError(f"global batch {cfg.batch_size} is smaller than the {world_size} ranks")
 
 
 def validate_flags(cfg: TrainConfig, world_size: int, n_elements: int | None = None) -> None:
@@ -66,17 +71,9 @@ def validate_flags(cfg: TrainConfig, world_size: int, n_elements: int | None = N
         raise UserError("--accumulate needs --loop custom (model.fit steps once per batch)")
     if cfg.bucket_mb is not None and (cfg.strategy != "data" or cfg.loop != "custom"):
         raise UserError("--bucket-mb buckets the allreduce of --strategy data --loop custom")
-    if cfg.strategy == "single" and world_size > 1:
-        raise UserError(f"--strategy single runs on one rank, but {world_size} were launched")
-    if cfg.strategy == "hybrid":
-        if cfg.pp_size is None or cfg.pp_size < 1:
-            raise UserError(
-                "--strategy hybrid needs --pp-size P (stages per pipeline) of 1 or more"
-            )
-        if world_size % cfg.pp_size:
-            raise UserError(f"world size {world_size} is not divisible by --pp-size {cfg.pp_size}")
-    if cfg.strategy == "model" and cfg.microbatches != 1:
-        raise UserError("--strategy model is the naive split with one microbatch; use pipeline")
+    if cfg.split_at:
+        raise UserError("--split-at names layers of a --model FUNCTION's graph, not a built-in")
+    _validate_strategy_shape(cfg, world_size)
     pp_size = pp_size_of(cfg, world_size)
     dp_size = world_size // pp_size
     _validate_pipeline(cfg, pp_size, n_elements)
@@ -96,6 +93,21 @@ def validate_flags(cfg: TrainConfig, world_size: int, n_elements: int | None = N
     _validate_checkpointing(cfg)
     if cfg.tensorboard and cfg.loop == "fit":
         raise UserError("--tensorboard needs --loop custom (model.fit keeps its own loop)")
+
+
+def _validate_strategy_shape(cfg: TrainConfig, world_size: int) -> None:
+    """The strategy fits the ranks launched."""
+    if cfg.strategy == "single" and world_size > 1:
+        raise UserError(f"--strategy single runs on one rank, but {world_size} were launched")
+    if cfg.strategy == "hybrid":
+        if cfg.pp_size is None or cfg.pp_size < 1:
+            raise UserError(
+                "--strategy hybrid needs --pp-size P (stages per pipeline) of 1 or more"
+            )
+        if world_size % cfg.pp_size:
+            raise UserError(f"world size {world_size} is not divisible by --pp-size {cfg.pp_size}")
+    if cfg.strategy == "model" and cfg.microbatches != 1:
+        raise UserError("--strategy model is the naive split with one microbatch; use pipeline")
 
 
 def _validate_pipeline(cfg: TrainConfig, pp_size: int, n_elements: int | None) -> None:

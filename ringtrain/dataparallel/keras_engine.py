@@ -17,11 +17,12 @@ from ringtrain.config import TrainConfig
 from ringtrain.data import UserData, uneven_shard
 from ringtrain.dataparallel.collectives import average_gradients, broadcast_state
 from ringtrain.keras_model.compiled import (
-    HeldOutMetrics,
+    CompiledMetrics,
     base_learning_rate,
     global_loss,
     loss_share,
     reduction_kind,
+    score_shards,
 )
 from ringtrain.optim import LearningRate
 from ringtrain.runtime import World
@@ -44,7 +45,8 @@ class KerasDataParallelEngine(WholeModelReplica):
         self.base_learning_rate = base_learning_rate(self.optimizer)
         self._lr = LearningRate(self.optimizer)
         self._train_step = tf.function(self._step_graph, reduce_retracing=True)
-        self._held_out = HeldOutMetrics(model, world.comm)
+        self.scorer = CompiledMetrics(model)
+        self._predict = tf.function(lambda x: model(x, training=False), reduce_retracing=True)
 
     def _step_graph(self, x, y, share: tf.Tensor, stop: tf.Tensor):
         """The loss and the stop flag ride in the gradients' allreduce, so every rank sees the
@@ -78,10 +80,13 @@ class KerasDataParallelEngine(WholeModelReplica):
     def evaluate(self) -> dict[str, float]:
         if self.data.validation is None:
             return {}
-        return self._held_out(self.data.validation, self.world.rank, self.world.size)
+        world = self.world
+        return score_shards(
+            self.scorer, self._predict, self.data.validation, world.comm, world.rank, world.size
+        )
 
     def gather_weights(self) -> dict[str, np.ndarray] | None:
         """Replicas are identical, so rank 0's copy is the model."""
         if self.world.rank != 0:
             return None
-        return {v.path: np.asarray(v.numpy()) for v in self.trainable}
+        return {v.path: np.asarray(v.numpy()) for v in self.variables}

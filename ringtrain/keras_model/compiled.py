@@ -9,6 +9,8 @@ fills from its share and the ranks sum, so they are averaged by examples, not by
 
 from __future__ import annotations
 
+import json
+
 from ringtrain.tensorflow_loader import tf  # before Keras: keeps scikit-learn out of it
 
 # isort: split
@@ -86,41 +88,78 @@ def base_learning_rate(optimizer) -> float | None:
     return float(optimizer.learning_rate.numpy())
 
 
-class HeldOutMetrics:
-    """The compiled metrics and loss on held-out examples, as Keras's `evaluate` gives them."""
+class CompiledMetrics:
+    """The compiled loss and metrics on held-out examples, as Keras's `evaluate` gives them.
+    Where the model's outputs are (every rank under data parallelism, the last stage in a
+    pipeline) the metrics fill their states; `result` sums the states over those ranks."""
 
-    def __init__(self, model, comm, chunk: int = 512):
-        self.model, self.comm, self.chunk = model, comm, chunk
-        self._update = tf.function(self._update_graph, reduce_retracing=True)
+    def __init__(self, model):
+        self.model = model
+        self._score = tf.function(self._score_graph, reduce_retracing=True)
 
-    def _update_graph(self, x, y) -> tf.Tensor:
-        y_pred = self.model(x, training=False)
-        loss = self.model.compute_loss(x=x, y=y, y_pred=y_pred, training=False)
-        self.model.compute_metrics(x, y, y_pred, sample_weight=None)
+    def _score_graph(self, y, y_pred) -> tf.Tensor:
+        loss = self.model.compute_loss(y=y, y_pred=y_pred, training=False)
+        self.model.compute_metrics(None, y, y_pred, sample_weight=None)
         return loss
 
-    def __call__(self, examples, part: int, parts: int) -> dict[str, float]:
-        """Collective over comm: each part scores a strided share; states are summed."""
+    def reset(self) -> None:
         self.model.reset_metrics()
-        mine = np.arange(len(examples))[part::parts]
-        loss_sum = 0.0
-        for start in range(0, len(mine), self.chunk):
-            idx = mine[start : start + self.chunk]
-            loss_sum += float(self._update(*examples.take(idx))) * len(idx)
-        states = [v for metric in self.model.metrics for v in metric.variables]
-        flat = np.concatenate(
-            [np.ravel(v.numpy()).astype(np.float64) for v in states] + [[loss_sum, len(mine)]]
+        self.loss_sum, self.count = 0.0, 0
+
+    def update(self, outputs, y) -> None:
+        """One chunk's outputs (a stage's tuple, or the model's own structure) and targets."""
+        if isinstance(outputs, tuple):
+            outputs = outputs[0] if len(outputs) == 1 else list(outputs)
+        n = len(next(iter(y.values()))) if isinstance(y, dict) else len(y)
+        self.loss_sum += float(self._score(y, outputs)) * n
+        self.count += n
+
+    def result(self, comm, _scored_here: bool = True) -> dict[str, float]:
+        """Collective over comm: the ranks that scored sum their states; the first of them
+        tells every rank the scores (JSON bytes in buffers, never pickled)."""
+        from mpi4py import MPI
+
+        scored = self.count > 0
+        group = comm.Split(color=int(scored), key=comm.Get_rank())
+        scores = {}
+        if scored:
+            states = [v for metric in self.model.metrics for v in metric.variables]
+            flat = np.concatenate(
+                [np.ravel(v.numpy()).astype(np.float64) for v in states]
+                + [[self.loss_sum, self.count]]
+            )
+            group.Allreduce(MPI.IN_PLACE, flat)
+            offset = 0
+            for v in states:
+                n = int(np.prod(v.shape))
+                v.assign(flat[offset : offset + n].reshape(v.shape).astype(v.dtype))
+                offset += n
+            found = self.model.get_metrics_result()
+            scores = {"loss": float(flat[-2] / flat[-1])}
+            scores |= {k: float(v) for k, v in found.items() if k != "loss"}
+        group.Free()
+        root = np.array([comm.Get_rank() if scored else comm.Get_size()], np.int64)
+        comm.Allreduce(MPI.IN_PLACE, root, op=MPI.MIN)
+        text = np.frombuffer(json.dumps(scores).encode(), np.uint8)
+        size = np.array([len(text)], np.int64)
+        comm.Bcast(size, root=int(root[0]))
+        buf = (
+            np.ascontiguousarray(text)
+            if comm.Get_rank() == root[0]
+            else np.empty(size[0], np.uint8)
         )
-        self.comm.Allreduce(np.copy(flat), flat)
-        offset = 0
-        for v in states:
-            n = int(np.prod(v.shape))
-            v.assign(flat[offset : offset + n].reshape(v.shape).astype(v.dtype))
-            offset += n
-        found = self.model.get_metrics_result()
-        scores = {"loss": flat[-2] / max(1.0, flat[-1])}
-        scores |= {k: float(v) for k, v in found.items() if k != "loss"}
-        return scores
+        comm.Bcast(buf, root=int(root[0]))
+        return json.loads(buf.tobytes())
+
+
+def score_shards(scorer: CompiledMetrics, predict, examples, comm, part: int, parts: int) -> dict:
+    """Each of `parts` ranks scores a strided share of the examples with the whole model."""
+    scorer.reset()
+    mine = np.arange(len(examples))[part::parts]
+    for start in range(0, len(mine), 512):
+        x, y = examples.take(mine[start : start + 512])
+        scorer.update(predict(x), y)
+    return scorer.result(comm)
 
 
 def unregistered(model) -> list[str]:

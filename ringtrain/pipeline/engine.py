@@ -24,12 +24,11 @@ from ringtrain import log
 from ringtrain.checkpoint import Checkpointable, stored_partition
 from ringtrain.comm import Link, PostedReceive
 from ringtrain.config import TrainConfig, partition_method, pp_size_of
-from ringtrain.data import Dataset, shard
+from ringtrain.data import shard, take, uneven_shard
 from ringtrain.dataparallel.collectives import average_gradients
-from ringtrain.evaluate import count_accuracy
 from ringtrain.guard import agree
-from ringtrain.models import ModelSpec, forward, loss_fn, trainable_variables
-from ringtrain.optim import LearningRate, make_optimizer
+from ringtrain.models import ModelSpec
+from ringtrain.optim import LearningRate
 from ringtrain.pipeline import partition
 from ringtrain.pipeline.calibrate import (
     calibration_steps,
@@ -43,6 +42,7 @@ from ringtrain.pipeline.ir import COMPUTE, Action, Op, Tensor, carries, consumes
 from ringtrain.pipeline.lower import send_when_made
 from ringtrain.pipeline.schedule import pipeline_schedule
 from ringtrain.pipeline.simulate import SimResult, simulate
+from ringtrain.pipeline.split import ElementPlan
 from ringtrain.pipeline.tags import message_tag
 from ringtrain.pipeline.trace import (
     Trace,
@@ -61,36 +61,6 @@ KINDS = {"ACT": 0, "GRAD": 1}
 SLOTS = 2  # receive buffers per kind and sending stage: one being waited on, one posted ahead
 
 
-class Stage:
-    """One of the model's stages held by this rank: its elements and compiled functions."""
-
-    def __init__(self, index: int, n_stages: int, elements: list, microbatches: int):
-        self.index, self.first, self.last = index, index == 0, index == n_stages - 1
-        self.elements, self.microbatches = elements, microbatches
-        self.variables = trainable_variables(elements)
-        self.grads: list | None = None  # the step's sum so far: no zeros to add the first to
-        # Graphs, not eager ops: per-op Python overhead would dwarf a microbatch's compute.
-        self.output = tf.function(self._output)
-        self.recompute = tf.function(self._recompute)
-
-    def _output(self, x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
-        """The activation sent downstream or, on the last stage, its share of the loss."""
-        out = forward(self.elements, x)
-        return loss_fn(y, out) / self.microbatches if self.last else out
-
-    def sources(self, x: tf.Tensor, weights: bool, inputs: bool) -> list:
-        """What a backward differentiates: the weights and/or, except on stage 0, the input."""
-        return (self.variables if weights else []) + ([x] if inputs and not self.first else [])
-
-    def _recompute(self, x, y, upstream, weights: bool, inputs: bool) -> list:
-        """--recompute: the forward again under a tape (only the input was kept), then the
-        gradients a full backward (B) or one half of a split one (BI, BW) needs."""
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            out = self._output(x, y)
-        return tape.gradient(out, self.sources(x, weights, inputs), output_gradients=upstream)
-
-
 def _add_lists(total: list, new: list) -> list:
     return [a + g for a, g in zip(total, new, strict=True)]
 
@@ -101,6 +71,7 @@ class Held:
 
     x: tf.Tensor
     y: tf.Tensor
+    share: float | None  # its share of the global batch's loss (None: an equal 1/M)
     out: tf.Tensor
     tape: tf.GradientTape | None  # None under --recompute
     upstream: tf.Tensor | None = None  # split backward: the output gradient BI received
@@ -118,16 +89,17 @@ class Inbox:
     per neighbour and kind, whatever M is.
     """
 
-    def __init__(self, link: Link, receives: list[Tensor], shape, peer, tag):
-        self.link, self.peer, self.tag = link, peer, tag
+    def __init__(self, link: Link, receives: list[Tensor], codec, largest: int, peer, tag):
+        """`codec(t)` says how tensor t travels; `largest` is the most examples a microbatch
+        holds, which sizes the buffers (a partial batch's microbatches send less)."""
+        self.link, self.codec, self.peer, self.tag = link, codec, peer, tag
         self.queues: dict[tuple[str, int], list[Tensor]] = {}
         for t in receives:
             self.queues.setdefault((t.kind, t.stage), []).append(t)
         self.position = {t: i for queue in self.queues.values() for i, t in enumerate(queue)}
-        self.step_bytes = sum(4 * int(np.prod(shape(t))) for t in receives)
+        self.step_bytes = sum(codec(t).nbytes(largest) for t in receives)
         self.slots = {
-            key: np.zeros((len(q[:SLOTS]), *shape(q[0])), np.float32)
-            for key, q in self.queues.items()
+            key: [codec(q[0]).empty(largest) for _ in q[:SLOTS]] for key, q in self.queues.items()
         }
         self.posted: dict[Tensor, PostedReceive] = {}
 
@@ -142,9 +114,10 @@ class Inbox:
         buf = slots[self.position[t] % len(slots)]
         self.posted[t] = self.link.post_receive(buf, self.peer(t), self.tag(t), _what(t))
 
-    def take(self, t: Tensor) -> tf.Tensor:
-        """Wait for `t` (the comm deadline starts now), copy it out, post the queue's next."""
-        value = tf.constant(np.copy(self.link.complete(self.posted.pop(t))))
+    def take(self, t: Tensor, batch: int):
+        """Wait for `t` (the comm deadline starts now), copy its `batch` examples out, post
+        the queue's next."""
+        value = self.codec(t).decode(self.link.complete(self.posted.pop(t)), batch)
         key = (t.kind, t.stage)
         after = self.position[t] + len(self.slots[key])
         if after < len(self.queues[key]):
@@ -161,8 +134,12 @@ def _what(t: Tensor) -> str:
 class PipelineEngine(Checkpointable):
     """The stages one rank holds in one pipeline replica."""
 
-    def __init__(self, spec: ModelSpec, data: Dataset, cfg: TrainConfig, world: World):
+    def __init__(self, model, data, cfg: TrainConfig, world: World):
+        """`model`: a built-in ModelSpec, or a GraphPlan of a user's compiled model; `data`:
+        a Dataset, or the user's UserData."""
         self.data, self.cfg, self.world = data, cfg, world
+        self.plan = ElementPlan(model, cfg.seed) if isinstance(model, ModelSpec) else model
+        self.train = data.train  # the examples every global batch indexes
         self.grid = Grid(world.size, pp_size_of(cfg, world.size))
         self.pp_size, self.dp_size = self.grid.pp_size, self.grid.dp_size
         self.pp_rank, self.dp_rank = self.grid.pp_rank(world.rank), self.grid.dp_rank(world.rank)
@@ -185,19 +162,19 @@ class PipelineEngine(Checkpointable):
         if cfg.strategy == "hybrid":
             log.info(self.grid.describe())
 
-        self.mb_size = cfg.batch_size // self.dp_size // cfg.microbatches
-        self.shapes = spec.shapes()
+        self.mb_size = -(-cfg.batch_size // self.dp_size // cfg.microbatches)  # the largest
         self.element_seconds: list[dict[Op, float]] = []  # rank 0, time partition: per element
-        self.bounds = self._partition(spec)
+        self.bounds = self._partition()
         self.local_stages = {  # the stages this rank holds, by index
-            s: Stage(
-                s, self.n_stages, spec.build(range(*self.bounds[s]), cfg.seed), cfg.microbatches
-            )
+            s: self.plan.build(s, self.bounds, cfg.microbatches)
             for s in self.schedule.stages_on(self.pp_rank)
         }
         self.variables = [v for stage in self.local_stages.values() for v in stage.variables]
-        self.optimizer = make_optimizer(cfg)
+        self.state_variables = [v for stage in self.local_stages.values() for v in stage.weights]
+        self.optimizer, self.clip_limit = self.plan.optimizer(cfg)
         self.optimizer.build(self.variables)
+        self.base_learning_rate = self.plan.base_learning_rate(self.optimizer, cfg)
+        self.scorer = self.plan.scorer()
         self._lr = LearningRate(self.optimizer)
         self._apply = tf.function(self._apply_gradients)
 
@@ -205,10 +182,10 @@ class PipelineEngine(Checkpointable):
         self.predicted = simulate(self.schedule)
         # Bytes of stage s's output per microbatch (its gradient is as big): the boundaries.
         self.boundary_bytes = [
-            self._tensor_bytes(Tensor("ACT", s, 0)) for s in range(self.n_stages - 1)
+            self._codec(Tensor("ACT", s, 0)).nbytes(self.mb_size) for s in range(self.n_stages - 1)
         ]
         receives = [carries(a) for a in self.actions if a.op.is_recv]
-        self.inbox = Inbox(self.link, receives, self._tensor_shape, self._peer, self._tag)
+        self.inbox = Inbox(self.link, receives, self._codec, self.mb_size, self._peer, self._tag)
         self.microbatch_bytes = self.inbox.step_bytes // cfg.microbatches
         self.dispatch = {
             Op.F: self._forward,
@@ -241,13 +218,9 @@ class PipelineEngine(Checkpointable):
         label = "stage" if len(held) == 1 else "stages"
         return f"{label} {'+'.join(map(str, held))} (rank {rank})"
 
-    def _tensor_shape(self, t: Tensor) -> tuple[int, ...]:
-        """A microbatch's activation out of stage t.stage, or gradient for its input."""
-        first, last = self.bounds[t.stage]
-        return (self.mb_size, *self.shapes[last if t.kind == "ACT" else first])
-
-    def _tensor_bytes(self, t: Tensor) -> int:
-        return 4 * int(np.prod(self._tensor_shape(t)))
+    def _codec(self, t: Tensor):
+        """How stage t.stage's activation (ACT), or the gradient for its input (GRAD), travels."""
+        return self.plan.codec(t, self.bounds)
 
     def _peer(self, t: Tensor) -> int:
         """The pipeline rank at the other end of `t`'s message, seen from this rank."""
@@ -259,26 +232,33 @@ class PipelineEngine(Checkpointable):
     def _tag(self, t: Tensor) -> int:
         return message_tag(t.stage, self.cfg.microbatches, t.mb, KINDS[t.kind])
 
-    def _partition(self, spec: ModelSpec) -> list[tuple[int, int]]:
-        """The checkpoint's split when resuming (the parts hold its stages), else a fresh one."""
+    def _partition(self) -> list[tuple[int, int]]:
+        """The checkpoint's split when resuming (the parts hold its stages), --split-at's, or
+        a fresh one."""
+        n_units = self.plan.n_units
         if self.cfg.resume and self.cfg.checkpoint_dir:
             wait = Link(self.world.comm, self.cfg.comm_timeout).wait
             stored = agree(
                 self.world.comm,
                 wait,
-                lambda: stored_partition(self.cfg.checkpoint_dir, self.n_stages, len(spec)),
+                lambda: stored_partition(self.cfg.checkpoint_dir, self.n_stages, n_units),
             )
             if stored is not None:
                 log.info(f"partition (from the checkpoint): {partition.describe(stored)}")
                 return stored
-        method = partition_method(self.cfg, len(spec), self.n_stages)
+        method = partition_method(self.cfg, n_units, self.n_stages)
+        if self.cfg.split_at:
+            bounds = self.plan.split_at(self.cfg.split_at.split(","), self.n_stages)
+            method, costs = "--split-at", None
+        elif method == "time" and not self.plan.measurable:  # a graph's blocks are not timed
+            method = "params"
         if method == "uniform":
-            bounds, costs = partition.uniform(len(spec), self.n_stages), None
+            bounds, costs = partition.uniform(n_units, self.n_stages), None
         elif method == "params":
-            costs = self._element_params(spec)
+            costs = self.plan.unit_params()
             bounds = partition.balanced(costs, self.n_stages)
-        else:
-            seconds = self._element_seconds(spec)
+        elif method == "time":
+            seconds = self._element_seconds(self.plan)
             costs = [e[Op.F] + e[Op.B] for e in seconds]
             if len(set(self.schedule.stage_ranks)) < self.n_stages:  # a rank holds several stages
                 bounds = partition.fastest(seconds, self.schedule)
@@ -287,40 +267,32 @@ class PipelineEngine(Checkpointable):
         log.info(f"partition ({method}): {partition.describe(bounds, costs)}")
         return bounds
 
-    def _element_params(self, spec: ModelSpec) -> list[float]:
-        """Each element's parameter count; every rank builds them one at a time and drops them."""
-        counts = []
-        for i in range(len(spec)):
-            element = spec.build([i], self.cfg.seed)[0]
-            counts.append(float(sum(int(np.prod(v.shape)) for v in element.trainable_weights)))
-        return counts
-
-    def _element_seconds(self, spec: ModelSpec) -> list[dict[str, float]]:
+    def _element_seconds(self, plan: ElementPlan) -> list[dict[str, float]]:
         """Each element's F, B, BI and BW seconds, measured on rank 0 (elements built one at a
         time and dropped) and broadcast so every rank splits identically. Rank 0 keeps them
         for the metrics' calibration."""
-        table = np.zeros((len(spec), len(COMPUTE)), np.float64)
+        table = np.zeros((plan.n_units, len(COMPUTE)), np.float64)
         if self.world.rank == 0:
-            for i in range(len(spec)):
-                element = spec.build([i], self.cfg.seed)[0]
-                seconds = time_element(element, (self.mb_size, *self.shapes[i]))
+            for i in range(plan.n_units):
+                element = plan.spec.build([i], self.cfg.seed)[0]
+                seconds = time_element(element, (self.mb_size, *plan.shapes[i]))
                 self.element_seconds.append(seconds)
                 table[i] = [seconds[op] for op in COMPUTE]
         self.world.comm.Bcast(table, root=0)
         return [dict(zip(COMPUTE, row.tolist(), strict=True)) for row in table]
 
     # ---- one optimizer step -------------------------------------------------------------
-    @property
-    def base_learning_rate(self) -> float:
-        return self.cfg.lr
-
     def set_learning_rate(self, lr: float) -> None:
         self._lr.set(lr)
 
     def step(self, global_indices: np.ndarray) -> float:
-        mine = shard(global_indices, self.dp_rank, self.dp_size)
-        self.microbatches = [
-            shard(mine, m, self.cfg.microbatches) for m in range(self.cfg.microbatches)
+        cut = shard if self.plan.even_microbatches else uneven_shard
+        mine = cut(global_indices, self.dp_rank, self.dp_size)
+        micro = self.cfg.microbatches
+        self.microbatches = [cut(mine, m, micro) for m in range(micro)]
+        self.shares = [
+            self.plan.loss_share(len(idx), len(global_indices), self.dp_size)
+            for idx in self.microbatches
         ]
         for stage in self.local_stages.values():
             stage.grads = None
@@ -367,11 +339,11 @@ class PipelineEngine(Checkpointable):
 
     def _clip(self, grads: list) -> list:
         """Clip by the norm over all stages: the same scaling single-process clipping applies."""
-        if self.cfg.clip_norm is None:
+        if self.clip_limit is None:
             return grads
         squares = np.array([sum(float(tf.reduce_sum(tf.square(g))) for g in grads)])
         self.pipe.Allreduce(np.copy(squares), squares)
-        norm, limit = float(np.sqrt(squares[0])), self.cfg.clip_norm
+        norm, limit = float(np.sqrt(squares[0])), self.clip_limit
         return [g * (limit / max(norm, limit)) for g in grads]
 
     def _loss_to_rank0(self) -> float:
@@ -397,22 +369,24 @@ class PipelineEngine(Checkpointable):
     # ---- the actions ----------------------------------------------------------------------
     def _forward(self, a: Action) -> None:
         stage, idx = self.local_stages[a.stage], self.microbatches[a.mb]
-        y = tf.constant(self.data.y[idx])  # labels come from the shared batch order, not a peer
+        # Labels come from the shared batch order, not a peer; only stage 0 reads features.
+        y = tf.nest.map_structure(tf.constant, take(self.train.y, idx))
         if stage.first:
-            x = tf.constant(self.data.x[idx])
+            x = stage.first_inputs(take(self.train.x, idx))
         else:
             x = self.ready.pop(consumes(a, self.n_stages))
+        share = self.shares[a.mb]
         tape = None if self.cfg.recompute else tf.GradientTape()
         if tape is None:
-            out = stage.output(x, y)
+            out = stage.output(x, y, share)
         else:
             with tape:
                 if not stage.first:
                     tape.watch(x)
-                out = stage.output(x, y)
+                out = stage.output(x, y, share)
         if stage.last:
             self.loss += float(out)
-        self.inflight[(a.stage, a.mb)] = Held(x, y, out, tape)
+        self.inflight[(a.stage, a.mb)] = Held(x, y, share, out, tape)
         self.peak_inflight = max(self.peak_inflight, len(self.inflight))
         self._hand_on(a, out)
 
@@ -454,11 +428,14 @@ class PipelineEngine(Checkpointable):
         if not sources:
             return None, None
         if held.tape is None:
-            grads = stage.recompute(held.x, held.y, upstream, weights, inputs)
+            grads = stage.recompute(held.x, held.y, held.share, upstream, weights, inputs)
         else:
-            grads = held.tape.gradient(held.out, sources, output_gradients=upstream)
+            targets, upstream = stage.targets(held.out, upstream)
+            grads = held.tape.gradient(
+                targets, sources, output_gradients=upstream, unconnected_gradients="zero"
+            )
         count = len(stage.variables) if weights else 0
-        return (grads[:count] if weights else None), (grads[count] if len(grads) > count else None)
+        return (grads[:count] if weights else None), stage.input_gradient(grads[count:])
 
     def _accumulate(self, stage: int, grads: list) -> None:
         held = self.local_stages[stage]
@@ -476,36 +453,45 @@ class PipelineEngine(Checkpointable):
 
     def _send(self, a: Action) -> None:
         t = carries(a)
-        out = np.ascontiguousarray(self.outbox.pop(t).numpy())
+        out = self._codec(t).encode(self.outbox.pop(t))
         self.link.send_buffer(out, self._peer(t), self._tag(t), _what(t))
 
     def _receive(self, a: Action) -> None:
         t = carries(a)
-        self.ready[t] = self.inbox.take(t)
+        self.ready[t] = self.inbox.take(t, len(self.microbatches[t.mb]))
 
     # ---- evaluation, weights, metrics ---------------------------------------------------
     def evaluate(self) -> dict[str, float]:
-        """Forward-only pass through the stages in order; nothing gathers the whole model."""
-        mine = np.arange(len(self.data.x_test))[self.dp_rank :: self.dp_size]
-        stage_ranks, correct = self.schedule.stage_ranks, 0
+        """Forward-only pass through the stages in order; nothing gathers the whole model.
+        The last stage scores (collective: every rank gets the scores)."""
+        held_out = self.data.validation
+        if held_out is None:
+            return {}
+        mine = np.arange(len(held_out))[self.dp_rank :: self.dp_size]
+        stage_ranks = self.schedule.stage_ranks
+        self.scorer.reset()
         for start in range(0, len(mine), 512):
             idx = mine[start : start + 512]
-            x = self.data.x_test[idx]  # stage 0's input, then each stage's output in turn
+            x, y = held_out.take(idx)
+            value = None  # stage 0's input, then each stage's output in turn
             for s, stage in self.local_stages.items():
-                if not stage.first and stage_ranks[s - 1] != self.pp_rank:
-                    x = np.empty((len(idx), *self.shapes[self.bounds[s][0]]), np.float32)
+                if stage.first:
+                    value = stage.first_inputs(x)
+                elif stage_ranks[s - 1] != self.pp_rank:
+                    codec = self._codec(Tensor("ACT", s - 1, 0))
+                    buf = codec.empty(len(idx))
                     tag = self._evaluation_tag(s - 1)
-                    self.link.recv_buffer(x, stage_ranks[s - 1], tag, "evaluation activations")
-                x = forward(stage.elements, tf.constant(x)).numpy()
+                    self.link.recv_buffer(buf, stage_ranks[s - 1], tag, "evaluation activations")
+                    value = codec.decode(buf, len(idx))
+                value = stage.infer(value)
                 if stage.last:
-                    correct += int(np.sum(np.argmax(x, axis=-1) == self.data.y_test[idx]))
+                    self.scorer.update(value, y)
                 elif stage_ranks[s + 1] != self.pp_rank:
-                    out = np.ascontiguousarray(x)
+                    out = self._codec(Tensor("ACT", s, 0)).encode(value)
                     tag = self._evaluation_tag(s)
                     self.link.send_buffer(out, stage_ranks[s + 1], tag, "evaluation activations")
                     self.link.flush()
-        total = len(mine) if self.n_stages - 1 in self.local_stages else 0
-        return {"accuracy": count_accuracy(self.world.comm, correct, total)}
+        return self.scorer.result(self.world.comm, self.n_stages - 1 in self.local_stages)
 
     def _evaluation_tag(self, stage: int) -> int:
         """Above every training message's tag, one per sending stage."""
@@ -513,7 +499,7 @@ class PipelineEngine(Checkpointable):
 
     def gather_weights(self) -> dict[str, np.ndarray] | None:
         """Replica 0's stages send their weights to rank 0 under the single-process names."""
-        mine = {v.path: v.numpy() for v in self.variables}
+        mine = {v.path: v.numpy() for v in self.state_variables}
         if self.dp_rank != 0:
             return None
         if self.world.rank != 0:

@@ -71,7 +71,7 @@ def _stage_ranges(spec, optimizer_name: str, batch: int, seed: int, tf) -> list[
     Each round times every range at both sizes once, so each figure's REPEATS timings are
     spread over the whole pass: this machine's speed moves by tens of percent over a fraction
     of a second, and timings taken back to back all fell in one such spell."""
-    from ringtrain.pipeline.engine import Stage
+    from ringtrain.pipeline.stage import Stage
 
     n, shapes = len(spec), spec.shapes()
     cases = []
