@@ -120,7 +120,7 @@ def _keras_engine(model, data: UserData, cfg: TrainConfig, world_size: int):
             "a model with added losses (regularisers, add_loss) runs under single and data "
             "so far, not in pipeline stages"
         )
-    plan = GraphPlan(model, split_graph(model))
+    plan = GraphPlan(model, split_graph(model, data.train.x))
     stages = pipeline_schedule(cfg, pp_size_of(cfg, world_size)).n_stages
     plan.check_cuts(cfg.split_at.split(",") if cfg.split_at else None, stages)
 

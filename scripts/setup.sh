@@ -45,11 +45,12 @@ fi
 [[ -x $VENV/bin/python ]] || { say "creating $VENV"; python3 -m venv "$VENV"; }
 PY=$VENV/bin/python
 req_stamp=$VENV/.requirements.sha256
-req_hash=$(sha256sum requirements.txt | cut -d' ' -f1)
+req_hash=$(cat requirements.txt requirements-nodeps.txt | sha256sum | cut -d' ' -f1)
 if [[ ! -f $req_stamp || $(cat "$req_stamp") != "$req_hash" ]]; then
   say "installing requirements.txt into .venv (TensorFlow takes a minute or two)"
   "$PY" -m pip install -q --upgrade pip wheel setuptools
   "$PY" -m pip install -q -r requirements.txt
+  "$PY" -m pip install -q --no-deps -r requirements-nodeps.txt  # keras-hub without tensorflow-text
   echo "$req_hash" >"$req_stamp"
 fi
 

@@ -64,6 +64,10 @@ class GridChecks:
             if "check" not in r and r["config"]["strategy"] in strategies
         ]
 
+    def keras(self, ranks: int) -> list[dict]:
+        """The user-model zoo's runs on this many ranks, against Keras's own fit."""
+        return [r for r in self._lines(ranks) if r.get("check") == "keras"]
+
     def resumes(self, ranks: int, strategy: str) -> list[dict]:
         return [
             r
@@ -208,3 +212,25 @@ REFERENCE_RUN = {
     "steps": 5,
     "seed": 1,
 }
+
+
+@pytest.fixture(scope="session")
+def before_tensorflow(tmp_path_factory):
+    """`ringtrain ARGS` where importing TensorFlow fails (exit 70): a bad input it still
+    refuses with its own line was refused before TensorFlow loaded, seconds sooner."""
+    shadow = tmp_path_factory.mktemp("shadow")
+    (shadow / "tensorflow").mkdir()
+    (shadow / "tensorflow" / "__init__.py").write_text("raise ImportError('TensorFlow loaded')")
+    path = os.pathsep.join(p for p in (str(shadow), ENV.get("PYTHONPATH")) if p)
+
+    def ringtrain_without_tensorflow(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [str(BIN / "ringtrain"), *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+            env={**ENV, "PYTHONPATH": path},
+        )
+
+    return ringtrain_without_tensorflow

@@ -16,7 +16,7 @@ import functools
 import json
 import sys
 import tempfile
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import numpy as np
 from reference import ReferenceRun, compare_with, train_reference, weights_digest
@@ -304,6 +304,92 @@ def check_against_reference(
             print(json.dumps(report), flush=True)
 
 
+# ---- a user's own compiled Keras model, against Keras's own fit ------------------------------
+# Each zoo model of tests/user_models.py under every strategy that fits the world size, from
+# the weights `keras.utils.set_random_seed(KERAS_SEED); build()` gives, against
+# reference.keras_fit_updates. BatchNormalization normalises per microbatch (and per replica),
+# so its reference is fit on batches of B/(D*M) accumulated over D*M; under data parallelism and
+# hybrid each replica keeps its own moving statistics, so only its trainable weights compare.
+KERAS_BATCH, KERAS_STEPS, KERAS_SEED = 32, 3, 5
+KERAS_ZOO = {  # model -> (data, examples: fewer than S*B make a partial, uneven last batch)
+    "residual_cnn": ("digits", KERAS_BATCH * KERAS_STEPS - 10),
+    "bert_classifier": ("bert_data", KERAS_BATCH * KERAS_STEPS),
+    "regression_mlp": ("regression_data", KERAS_BATCH * KERAS_STEPS),
+    "frozen_finetune": ("digits", KERAS_BATCH * KERAS_STEPS),
+    "bn_cnn": ("digits", KERAS_BATCH * KERAS_STEPS),
+}
+
+
+def keras_grid(world_size: int) -> list[TrainConfig]:
+    base = TrainConfig(batch_size=KERAS_BATCH, steps=KERAS_STEPS, seed=KERAS_SEED, shuffle=False)
+    runs = {
+        1: [dict(strategy="single")],
+        2: [
+            dict(strategy="data"),
+            dict(strategy="pipeline", schedule="1f1b", microbatches=4),
+            dict(strategy="pipeline", schedule="zb-h1", microbatches=4),
+        ],
+        4: [dict(strategy="hybrid", pp_size=2, schedule="1f1b", microbatches=4)],
+    }.get(world_size, [])
+    return [replace(base, model=m, **r) for r in runs for m in KERAS_ZOO]
+
+
+def keras_check(cfg: TrainConfig, world: runtime.World, sets: dict) -> dict:
+    """One zoo model's run under cfg against Keras's fit; rank 0's report."""
+    import keras
+    import user_models
+    from reference import compare_updates, first_examples, keras_fit_updates
+
+    from ringtrain.api import _keras_engine
+    from ringtrain.data import Examples, UserData
+
+    data_name, n = KERAS_ZOO[cfg.model]
+    x, y = getattr(user_models, data_name)()
+    x, y = first_examples(x, n), y[:n]
+    build = getattr(user_models, cfg.model)
+    keras.utils.set_random_seed(cfg.seed)
+    model = build()
+    if cfg.strategy == "hybrid":
+        groups = Grid(world.size, cfg.pp_size).dp_groups()
+        world = replace(world, process_sets=[sets[tuple(g)] for g in groups])
+    data = UserData(Examples(x, y))
+    make = _keras_engine(model, data, cfg, world.size)
+
+    def train(dog: Watchdog):
+        engine, dp_size = make(world)
+        return loop.run(engine, data, cfg, world, dp_size, dog), engine.gather_weights()
+
+    metrics, weights = watched(train, cfg)
+    if world.rank != 0:
+        return {}
+    pp = pp_size_of(cfg, world.size)
+    shares = (world.size // pp) * (cfg.microbatches if pp > 1 else 1)
+    batch_norm = cfg.model == "bn_cnn"
+    micro = shares if batch_norm else 1
+    key = (cfg.model, micro)
+    if key not in KERAS_REFERENCES:
+        KERAS_REFERENCES[key] = keras_fit_updates(
+            build, x, y, cfg.batch_size, cfg.steps, seed=cfg.seed, microbatches=micro
+        )
+    ref = KERAS_REFERENCES[key]
+    names = set(ref.initial)
+    if batch_norm and shares > 1 and pp_size_of(cfg, world.size) < world.size:
+        names = {v.path for v in ref.model.trainable_weights}  # replicas' own statistics
+    pick = lambda found: {k: found[k] for k in sorted(names)}  # noqa: E731
+    update = compare_updates(pick(ref.initial), pick(weights), pick(ref.final))
+    return {
+        "check": "keras",
+        "config": {k: v for k, v in cfg.as_dict().items() if k in REPORTED},
+        "world_size": world.size,
+        "steps": metrics["steps"],
+        "compared": len(names),
+        "update": asdict(update),
+    }
+
+
+KERAS_REFERENCES: dict[tuple, object] = {}
+
+
 def main() -> None:
     from ringtrain.launch.env import who_am_i
 
@@ -311,7 +397,7 @@ def main() -> None:
     configs = grid(size)
     needed = {
         tuple(s)
-        for c in configs + resume_grid(size)
+        for c in configs + resume_grid(size) + keras_grid(size)
         if c.strategy == "hybrid" and c.pp_size > 1
         for s in Grid(size, c.pp_size).dp_groups()
     }
@@ -319,6 +405,10 @@ def main() -> None:
     sets = dict(zip(sorted(needed), world.process_sets, strict=True))
     with tempfile.TemporaryDirectory(prefix="initial-weights-") as mine:
         check_against_reference(configs, world, sets, world.comm.bcast(mine))  # rank 0's folder
+    for cfg in keras_grid(size):
+        report = keras_check(cfg, world, sets)
+        if world.rank == 0:
+            print(json.dumps(report), flush=True)
     if len(sys.argv) > 1:
         for i, cfg in enumerate(resume_grid(size)):
             check = resume_check(cfg, world, sets, f"{sys.argv[1]}/{i}")

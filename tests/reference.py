@@ -334,3 +334,120 @@ def compare_with(ref: ReferenceRun, weights: dict, losses: list[float], fp16: bo
         "loss_atol": loss_atol,
         "losses_passed": len(losses) == len(ref.losses) and loss_diff <= loss_atol,
     }
+
+
+# ---- a user's own compiled model: Keras's own fit is the reference ------------------------
+#
+# `ringtrain train --model F.py:build` and `ringtrain.fit(model, ...)` promise the updates of
+# `model.fit(x[:S*B], y[:S*B], batch_size=B, shuffle=False, epochs=1)` in one process. Weights
+# are matched by path (`v.path`), which needs a model whose layers are named (tests/user_models.py).
+
+
+@dataclass(frozen=True)
+class KerasFit:
+    """A model's weights by path before and after Keras's own fit, and the trained model."""
+
+    initial: dict[str, np.ndarray]
+    final: dict[str, np.ndarray]
+    model: keras.Model
+
+
+def weights_by_path(model: keras.Model) -> dict[str, np.ndarray]:
+    """Every weight (trainable or not: BatchNormalization's moving averages too) by its path.
+    Two weights on one path would make the match ambiguous, so that is refused."""
+    found = _weights(model.weights)
+    if len(found) != len(model.weights):
+        paths = [v.path for v in model.weights]
+        shared = sorted({p for p in paths if paths.count(p) > 1})
+        raise ValueError(f"model {model.name}: several weights share the path(s) {shared}")
+    return found
+
+
+def first_examples(data, n: int):
+    """The first n rows of an array, or of every array of a dict of named inputs."""
+    return {k: v[:n] for k, v in data.items()} if isinstance(data, dict) else data[:n]
+
+
+def keras_fit_updates(
+    build: Callable[..., keras.Model],
+    x,
+    y,
+    batch_size: int,
+    steps: int,
+    seed: int = 0,
+    microbatches: int = 1,
+    **build_args,
+) -> KerasFit:
+    """Keras's fit, one epoch over the first steps * batch_size examples in order, of the
+    model `build(**build_args)` makes right after `keras.utils.set_random_seed(seed)` (as
+    ringtrain's CLI builds it). Fewer examples than that make a last, partial batch, as fit has.
+
+    `microbatches` M > 1 is the reference of a pipeline that splits each batch into M: fit on
+    batches of batch_size / M, the optimizer stepping once per M of them on their mean gradient
+    (Keras's gradient_accumulation_steps). It differs from M = 1 only where a forward pass's
+    batch matters (BatchNormalization). Keras's learning-rate schedules, though, count the
+    microbatch steps: hold it to models with a constant learning rate."""
+    if microbatches < 1 or batch_size % microbatches:
+        raise ValueError(f"batch size {batch_size} does not split into {microbatches} microbatches")
+    keras.utils.set_random_seed(seed)
+    model = build(**build_args)
+    if microbatches > 1:
+        optimizer = model.optimizer
+        if optimizer.built:
+            raise ValueError(f"{build.__name__} returned a model whose optimizer already stepped")
+        optimizer.gradient_accumulation_steps = microbatches
+    initial = weights_by_path(model)
+    n = steps * batch_size
+    model.fit(
+        first_examples(x, n),
+        first_examples(y, n),
+        batch_size=batch_size // microbatches,
+        shuffle=False,
+        epochs=1,
+        verbose=0,
+    )
+    return KerasFit(initial, weights_by_path(model), model)
+
+
+@dataclass(frozen=True)
+class SavedModelCheck:
+    """A run's saved .keras file against Keras's fit: `problem` says why the weights could not
+    be matched (names or shapes), else `update` is the judge's verdict tensor by tensor."""
+
+    path: str
+    problem: str | None
+    update: UpdateComparison | None
+
+    @property
+    def ok(self) -> bool:
+        return self.problem is None and self.update.passed
+
+    def describe(self) -> str:
+        if self.problem is not None:
+            return f"{self.path}: {self.problem}"
+        u = self.update
+        verdict = "within" if u.passed else "beyond"
+        return (
+            f"{self.path}: worst tensor {u.worst_tensor} used {u.worst_ratio:.3g} of its "
+            f"allowance ({verdict} it; ||dw - dw_ref|| / ||dw_ref|| = {u.worst_relative:.3g})"
+        )
+
+
+def saved_model_updates(
+    path: str | os.PathLike, reference: KerasFit, custom_objects: dict | None = None
+) -> SavedModelCheck:
+    """Load a run's --save file (weights only: its optimizer and loss are not needed) and judge
+    its update per tensor against the reference's. A model with custom layers that are not
+    registered with Keras names them in `custom_objects`."""
+    saved = keras.models.load_model(path, custom_objects=custom_objects, compile=False)
+    run = weights_by_path(saved)
+    expected = reference.initial
+    if run.keys() != expected.keys():
+        missing, unknown = expected.keys() - run.keys(), run.keys() - expected.keys()
+        problem = f"missing weights {sorted(missing)}, unknown {sorted(unknown)}"
+        return SavedModelCheck(str(path), problem, None)
+    shapes = [n for n in sorted(run) if run[n].shape != expected[n].shape]
+    if shapes:
+        wrong = ", ".join(f"{n} {run[n].shape} (not {expected[n].shape})" for n in shapes)
+        return SavedModelCheck(str(path), f"weights of other shapes: {wrong}", None)
+    return SavedModelCheck(str(path), None, compare_updates(expected, run, reference.final))

@@ -6,7 +6,6 @@ rank without saving the damage; the aborts (watchdog, silent peer) end the job w
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -48,28 +47,6 @@ def mpirun(*argv: str, ranks: int = 2, timeout: float = 300) -> subprocess.Compl
 
 def train_under_mpirun(*args: str, ranks: int = 2, timeout: float = 300):
     return mpirun(str(BIN / "ringtrain"), "train", *args, ranks=ranks, timeout=timeout)
-
-
-@pytest.fixture(scope="module")
-def before_tensorflow(tmp_path_factory):
-    """`ringtrain ARGS` where importing TensorFlow fails (exit 70): a bad input it still
-    refuses with its own line was refused before TensorFlow loaded, seconds sooner."""
-    shadow = tmp_path_factory.mktemp("shadow")
-    (shadow / "tensorflow").mkdir()
-    (shadow / "tensorflow" / "__init__.py").write_text("raise ImportError('TensorFlow loaded')")
-    path = os.pathsep.join(p for p in (str(shadow), ENV.get("PYTHONPATH")) if p)
-
-    def ringtrain_without_tensorflow(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [str(BIN / "ringtrain"), *args],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            cwd=ROOT,
-            env={**ENV, "PYTHONPATH": path},
-        )
-
-    return ringtrain_without_tensorflow
 
 
 # ---- flags --------------------------------------------------------------------------------

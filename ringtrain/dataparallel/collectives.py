@@ -21,11 +21,14 @@ def average_gradients(hvd, grads: list, fp16: bool = False, process_set=None) ->
 
     compression = hvd.Compression.fp16 if fp16 else hvd.Compression.none
     kwargs = {"process_set": process_set} if process_set is not None else {}
-    dense = [tf.convert_to_tensor(g) for g in grads]  # an embedding's IndexedSlices, densified
-    out = list(dense)
+    out = list(grads)
     by_dtype: dict = {}
-    for i, g in enumerate(dense):
-        by_dtype.setdefault(g.dtype, []).append(i)
+    for i, g in enumerate(grads):
+        if isinstance(g, tf.IndexedSlices):
+            out[i] = _average_slices(hvd, g, process_set, kwargs)
+        else:
+            by_dtype.setdefault(g.dtype, []).append(i)
+    dense = [tf.convert_to_tensor(g) for g in grads]
     for members in by_dtype.values():
         flat = tf.concat([tf.reshape(dense[i], [-1]) for i in members], 0)
         averaged = hvd.allreduce(flat, op=hvd.Average, compression=compression, **kwargs)
@@ -34,6 +37,17 @@ def average_gradients(hvd, grads: list, fp16: bool = False, process_set=None) ->
         for i, part in zip(members, parts, strict=True):
             out[i] = tf.reshape(part, tf.shape(dense[i]))
     return out
+
+
+def _average_slices(hvd, grad, process_set, kwargs: dict):
+    """An embedding's gradient stays IndexedSlices: every replica's rows, gathered. Keras's
+    optimizers update the rows a batch looked up (Adam's moments too), so densifying would
+    update every row and differ from one process on the whole batch."""
+    from ringtrain.tensorflow_loader import tf
+
+    size = process_set.size() if process_set is not None else hvd.size()
+    values = hvd.allgather(grad.values, **kwargs) / size
+    return tf.IndexedSlices(values, hvd.allgather(grad.indices, **kwargs), grad.dense_shape)
 
 
 def buckets(nbytes: Sequence[int], cap_mb: float) -> list[list[int]]:

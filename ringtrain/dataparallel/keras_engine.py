@@ -15,7 +15,7 @@ import numpy as np
 from ringtrain.checkpoint import WholeModelReplica
 from ringtrain.config import TrainConfig
 from ringtrain.data import UserData, uneven_shard
-from ringtrain.dataparallel.collectives import average_gradients, broadcast_state
+from ringtrain.dataparallel.collectives import average_gradients
 from ringtrain.keras_model.compiled import (
     CompiledMetrics,
     base_learning_rate,
@@ -29,6 +29,16 @@ from ringtrain.runtime import World
 from ringtrain.tensorflow_loader import tf
 
 
+def broadcast_in_order(comm, variables: list) -> None:
+    """Rank 0's values to every rank, variable by variable in the model's order. Horovod's
+    broadcast matches tensors by name, and Keras names a user's optimizer by how many were made
+    in the process ("adam_2"), which a script that builds another model on one rank changes."""
+    for v in variables:
+        value = np.array(v.numpy(), ndmin=1)  # a writable, contiguous copy; scalars as (1,)
+        comm.Bcast(value, root=0)
+        v.assign(value.reshape(v.shape))
+
+
 class KerasDataParallelEngine(WholeModelReplica):
     """The user's model, replicated; one compiled step per global batch."""
 
@@ -39,8 +49,8 @@ class KerasDataParallelEngine(WholeModelReplica):
         self.optimizer = model.optimizer
         self.optimizer.build(self.trainable)
         self.variables = list(model.weights)  # what a checkpoint holds: frozen ones too
-        if self.hvd is not None:
-            broadcast_state(self.hvd, self.variables + list(self.optimizer.variables))
+        if world.size > 1:
+            broadcast_in_order(world.comm, self.variables + list(self.optimizer.variables))
         self.kind = reduction_kind(model)
         self.base_learning_rate = base_learning_rate(self.optimizer)
         self._lr = LearningRate(self.optimizer)

@@ -62,7 +62,22 @@ SLOTS = 2  # receive buffers per kind and sending stage: one being waited on, on
 
 
 def _add_lists(total: list, new: list) -> list:
-    return [a + g for a, g in zip(total, new, strict=True)]
+    return [_add(a, g) for a, g in zip(total, new, strict=True)]
+
+
+def _add(total, new):
+    """An embedding's gradient is IndexedSlices: the microbatches' rows are kept together, as
+    one process's gradient over the whole batch holds them (see collectives._average_slices)."""
+    if isinstance(new, tf.IndexedSlices):
+        values = tf.concat([total.values, new.values], 0)
+        return tf.IndexedSlices(values, tf.concat([total.indices, new.indices], 0), new.dense_shape)
+    return total + new
+
+
+def _scaled(grad, factor: float):
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values * factor, grad.indices, grad.dense_shape)
+    return grad * factor
 
 
 @dataclass
@@ -341,10 +356,12 @@ class PipelineEngine(Checkpointable):
         """Clip by the norm over all stages: the same scaling single-process clipping applies."""
         if self.clip_limit is None:
             return grads
-        squares = np.array([sum(float(tf.reduce_sum(tf.square(g))) for g in grads)])
+        squares = np.array(
+            [sum(float(tf.reduce_sum(tf.square(tf.convert_to_tensor(g)))) for g in grads)]
+        )
         self.pipe.Allreduce(np.copy(squares), squares)
         norm, limit = float(np.sqrt(squares[0])), self.clip_limit
-        return [g * (limit / max(norm, limit)) for g in grads]
+        return [_scaled(g, limit / max(norm, limit)) for g in grads]
 
     def _loss_to_rank0(self) -> float:
         """Each replica's rank holding the last stage sends its loss to rank 0 as a buffer;

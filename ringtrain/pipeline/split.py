@@ -116,3 +116,10 @@ class GraphPlan:
 
     def split_at(self, names: list[str], n_stages: int):
         return self.split.bounds_at(names, n_stages)
+
+    def check_cuts(self, names: list[str] | None, n_stages: int) -> None:
+        """The cuts asked for exist: --split-at's layers, or enough blocks for the stages."""
+        if names:
+            self.split.bounds_at(names, n_stages)
+        else:
+            self.split.check(n_stages)

@@ -1,0 +1,160 @@
+"""Your own Keras model: `ringtrain train --model F.py:build` and `ringtrain.fit` train the user's
+compiled model exactly as Keras's own `fit` does on one process (tests/reference.py, which
+imports nothing from ringtrain), under every strategy that takes one so far; and every bad
+model, model file or flag combination is refused in one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import BIN, ENV, ROOT, run
+from reference import keras_fit_updates, saved_model_updates
+from test_bad_input import said_once
+
+from ringtrain.errors import EXIT_USAGE
+
+USER_MODELS = ROOT / "tests" / "user_models.py"
+BATCH, STEPS, SEED = 64, 5, 7  # 300 examples: the fifth batch is partial, as Keras's fit has it
+
+
+def train(*args: str, launcher: list[str] | None = None, timeout: float = 300):
+    """`ringtrain train` on the residual CNN of tests/user_models.py, as a user would run it."""
+    cmd = [*(launcher or []), str(BIN / "ringtrain"), "train"]
+    cmd += ["--model", f"{USER_MODELS}:residual_cnn", "--data", f"{USER_MODELS}:digits_split"]
+    cmd += ["--no-shuffle", "--batch-size", str(BATCH), "--steps", str(STEPS)]
+    return run([*cmd, "--seed", str(SEED), *args], timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Keras's own fit of the same model on the same examples, in order, in one process."""
+    sys.path.insert(0, str(USER_MODELS.parent))
+    import user_models
+
+    (x, y), _ = user_models.digits_split()
+    return keras_fit_updates(user_models.residual_cnn, x, y, BATCH, STEPS, seed=SEED)
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_every_zoo_model_under_every_strategy_updates_as_keras_fit_does(ranks, grid_checks):
+    """tests/mpi_checks.py's user-model grid: a residual CNN (with a partial, uneven last
+    batch), a keras_hub BERT whose cut carries hidden states and the padding mask, a regression
+    MLP with AdamW, a cosine schedule and global_clipnorm, a frozen feature extractor and a
+    BatchNormalization CNN; single on 1 rank, data and pipeline (1F1B, ZB-H1, M=4) on 2,
+    hybrid 2x2 on 4. Each per tensor within the bound of Keras's own fit."""
+    results = grid_checks.keras(ranks)
+    assert len(results) == {1: 5, 2: 15, 4: 5}[ranks]
+    for r in results:
+        c, u = r["config"], r["update"]
+        print(
+            f"{c['strategy']} {c['schedule']} {c['model']}: {u['worst_tensor']} "
+            f"{u['worst_ratio']:.3f} of its allowance ({r['compared']} tensors)"
+        )
+    for r in results:
+        assert r["steps"] == 3 and r["update"]["passed"], r
+
+
+LAUNCHES = {
+    "single": ([], ["--strategy", "single"]),
+    "data-horovodrun": (["horovodrun", "-np", "2", "-H", "localhost:2"], ["--strategy", "data"]),
+    "data-mpirun": (["mpirun", "--oversubscribe", "-np", "2"], ["--strategy", "data"]),
+    "pipeline-mpirun": (
+        ["mpirun", "--oversubscribe", "-np", "2"],
+        ["--strategy", "pipeline", "--schedule", "1f1b", "--microbatches", "4"],
+    ),
+}
+
+
+@pytest.mark.parametrize("launch", LAUNCHES)
+def test_the_cli_trains_a_users_model_as_keras_fit_does(launch, reference, tmp_path):
+    """Per tensor within the exactness bound of Keras's fit; the saved .keras file loads in a
+    fresh process and gives the held-out loss and accuracy the run reported."""
+    launcher, strategy = LAUNCHES[launch]
+    saved, metrics = tmp_path / "trained.keras", tmp_path / "metrics.json"
+    done = train(*strategy, "--save", str(saved), "--metrics-out", str(metrics), launcher=launcher)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "held-out accuracy" in done.stdout and "Traceback" not in done.stderr
+    comparison = saved_model_updates(saved, reference)
+    assert comparison.ok, comparison.describe()
+    reported = json.loads(metrics.read_text())
+    assert reported["steps"] == STEPS and reported["epochs"] == 1
+    check = f"""
+import json, sys
+sys.path.insert(0, {str(USER_MODELS.parent)!r})
+import keras, user_models
+model = keras.models.load_model({str(saved)!r})
+_, (x, y) = user_models.digits_split()
+print(json.dumps(model.evaluate(x, y, batch_size=512, verbose=0, return_dict=True)))
+"""
+    fresh = subprocess.run(
+        [sys.executable, "-c", check], capture_output=True, text=True, env=ENV, timeout=120
+    )
+    assert fresh.returncode == 0, fresh.stderr[-2000:]
+    evaluated = json.loads(fresh.stdout.splitlines()[-1])
+    for name in ("loss", "accuracy"):
+        assert evaluated[name] == pytest.approx(reported["held_out"][name], rel=1e-5, abs=1e-6)
+
+
+BAD_MODELS = """
+import keras
+
+def not_a_model():
+    return "a model"
+
+def uncompiled():
+    inputs = keras.Input((8, 8, 1))
+    return keras.Model(inputs, keras.layers.Dense(10)(keras.layers.Flatten()(inputs)))
+
+def per_example_loss():
+    model = uncompiled()
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    model.compile(optimizer="adam", loss=loss)
+    return model
+"""
+
+
+@pytest.fixture(scope="module")
+def bad_models(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("bad") / "bad_models.py"
+    path.write_text(BAD_MODELS)
+    return path
+
+
+GOOD = f"{USER_MODELS}:residual_cnn"
+BEFORE_TENSORFLOW = [
+    (["--model", "/nonexistent/model.py:build"], "file /nonexistent/model.py does not exist"),
+    (["--model", "model.py:"], "expected PATH.py:FUNCTION"),
+    (["--model", GOOD, "--model-arg", "units"], "expected KEY=VALUE"),
+    (["--model", GOOD, "--data", GOOD, "--dataset", "synthetic"], "either --data or --dataset"),
+    (["--model", GOOD, "--optimizer", "adam"], "--optimizer does not apply to a compiled model"),
+    (["--model", GOOD, "--lr", "0.1"], "--lr does not apply to a compiled model"),
+    (["--model", GOOD, "--clip-norm", "1"], "--clip-norm does not apply to a compiled model"),
+    (["--model", GOOD, "--partition", "time"], "--partition time times built-in elements"),
+    (["--split-at", "conv"], "--split-at names layers of a --model FUNCTION's graph"),
+    (["--model", GOOD, "--split-at", "conv"], "--split-at cuts pipeline stages, not --strategy"),
+    (["--model-arg", "units=3"], "--model-arg needs --model PATH.py:FUNCTION"),
+    (["--model", GOOD, "--save", "/tmp/out.h5"], "name it *.keras"),
+]
+
+
+@pytest.mark.parametrize("args,needle", BEFORE_TENSORFLOW)
+def test_bad_user_model_flags_are_refused_before_tensorflow(args, needle, before_tensorflow):
+    said_once(before_tensorflow("train", *args), EXIT_USAGE, needle)
+
+
+@pytest.mark.parametrize(
+    "function,needle",
+    [
+        ("no_such_function", "defines no no_such_function"),
+        ("not_a_model", "returned str, not a keras.Model"),
+        ("uncompiled", "returned an uncompiled model"),
+        ("per_example_loss", "has reduction=None"),
+    ],
+)
+def test_a_bad_model_function_is_refused_in_one_line(function, needle, bad_models):
+    args = ["--model", f"{bad_models}:{function}", "--steps", "1", "--strategy", "single"]
+    said_once(run([str(BIN / "ringtrain"), "train", *args], timeout=120), EXIT_USAGE, needle)

@@ -1,0 +1,175 @@
+"""Models and data as a user brings them: `ringtrain train --model tests/user_models.py:NAME
+--data tests/user_models.py:DATA`, or `ringtrain.fit(NAME(), *DATA())`. Plain Keras 3, nothing
+from ringtrain.
+
+Each model function returns a compiled model and draws nothing random beyond its layers'
+initialisers: whoever calls it seeds first (`keras.utils.set_random_seed`). Every layer is
+named, so a weight's path (`conv/kernel`) is the same in every process whatever else that
+process built before: the reference (tests/reference.py) matches a run's weights to its own by
+path. Its keyword arguments are what `--model-arg KEY=VALUE` sets.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+
+DIGITS_TRAIN, DIGITS_HELD_OUT = 300, 200
+DIGITS_SHAPE, DIGITS_CLASSES = (8, 8, 1), 10
+BERT_VOCABULARY, BERT_TOKENS = 100, 16
+REGRESSION_FEATURES = 16
+
+
+def _classification(model: keras.Model, optimizer: keras.optimizers.Optimizer) -> keras.Model:
+    model.compile(
+        optimizer=optimizer,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def _optimizer(name: str) -> keras.optimizers.Optimizer:
+    """Adam, or SGD with Nesterov momentum: the two ways of keeping per-weight state."""
+    if name == "adam":
+        return keras.optimizers.Adam(1e-3)
+    if name == "nesterov":
+        return keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True)
+    raise ValueError(f"optimizer {name!r}: choose adam or nesterov")
+
+
+def residual_cnn(optimizer: str = "adam") -> keras.Model:
+    """A functional graph with a skip connection: the stem's output feeds two layers."""
+    pixels = keras.Input(DIGITS_SHAPE, name="pixels")
+    stem = keras.layers.Conv2D(16, 3, padding="same", activation="relu", name="stem")(pixels)
+    x = keras.layers.Conv2D(16, 3, padding="same", activation="relu", name="block_conv1")(stem)
+    x = keras.layers.Conv2D(16, 3, padding="same", name="block_conv2")(x)
+    x = keras.layers.Add(name="block_skip")([x, stem])
+    x = keras.layers.Activation("relu", name="block_relu")(x)
+    x = keras.layers.GlobalAveragePooling2D(name="pool")(x)
+    logits = keras.layers.Dense(DIGITS_CLASSES, name="logits")(x)
+    return _classification(keras.Model(pixels, logits, name="residual_cnn"), _optimizer(optimizer))
+
+
+def bn_cnn() -> keras.Model:
+    """BatchNormalization: its batch statistics depend on how many examples share a forward
+    pass, and its moving averages are weights that no gradient updates."""
+    model = keras.Sequential(
+        [
+            keras.Input(DIGITS_SHAPE, name="pixels"),
+            keras.layers.Conv2D(8, 3, padding="same", use_bias=False, name="conv1"),
+            keras.layers.BatchNormalization(name="norm1"),
+            keras.layers.Activation("relu", name="relu1"),
+            keras.layers.Conv2D(16, 3, strides=2, padding="same", use_bias=False, name="conv2"),
+            keras.layers.BatchNormalization(name="norm2"),
+            keras.layers.Activation("relu", name="relu2"),
+            keras.layers.GlobalAveragePooling2D(name="pool"),
+            keras.layers.Dense(DIGITS_CLASSES, name="logits"),
+        ],
+        name="bn_cnn",
+    )
+    return _classification(model, keras.optimizers.Adam(1e-3))
+
+
+def frozen_finetune() -> keras.Model:
+    """A frozen feature extractor (a nested model) under a head that trains."""
+    extractor = keras.Sequential(
+        [
+            keras.Input(DIGITS_SHAPE, name="pixels"),
+            keras.layers.Conv2D(8, 3, padding="same", activation="relu", name="frozen_conv"),
+            keras.layers.Flatten(name="flatten"),
+            keras.layers.Dense(32, activation="relu", name="frozen_dense"),
+        ],
+        name="extractor",
+    )
+    extractor.trainable = False
+    pixels = keras.Input(DIGITS_SHAPE, name="pixels")
+    x = keras.layers.Dense(32, activation="relu", name="tuned_dense")(extractor(pixels))
+    logits = keras.layers.Dense(DIGITS_CLASSES, name="logits")(x)
+    model = keras.Model(pixels, logits, name="frozen_finetune")
+    return _classification(model, keras.optimizers.SGD(0.1, momentum=0.9))
+
+
+def regression_mlp() -> keras.Model:
+    """Mean squared error; AdamW on a cosine schedule with global-norm clipping: an optimizer
+    whose step depends on the step count and on every gradient at once."""
+    model = keras.Sequential(
+        [
+            keras.Input((REGRESSION_FEATURES,), name="features"),
+            keras.layers.Dense(32, activation="relu", name="hidden1"),
+            keras.layers.Dense(32, activation="relu", name="hidden2"),
+            keras.layers.Dense(1, name="value"),
+        ],
+        name="regression_mlp",
+    )
+    schedule = keras.optimizers.schedules.CosineDecay(1e-2, decay_steps=50)
+    model.compile(
+        optimizer=keras.optimizers.AdamW(schedule, weight_decay=1e-2, global_clipnorm=1.0),
+        loss=keras.losses.MeanSquaredError(),
+        metrics=["mae"],
+    )
+    return model
+
+
+def bert_classifier() -> keras.Model:
+    """A two-layer keras-hub BERT with a two-class head on its pooled [CLS] output; three
+    named inputs."""
+    import keras_hub  # only this model needs it
+
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=BERT_VOCABULARY,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=64,
+        intermediate_dim=128,
+        max_sequence_length=32,
+        dropout=0.0,
+        name="bert",
+    )
+    logits = keras.layers.Dense(2, name="head")(backbone.output["pooled_output"])
+    model = keras.Model(backbone.input, logits, name="bert_classifier")
+    return _classification(model, keras.optimizers.Adam(1e-3))
+
+
+def digits(n: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's 8x8 digits in their stored order: pixels / 16 as float32 (N, 8, 8, 1),
+    labels as int32; the first n."""
+    from sklearn.datasets import load_digits
+
+    found = load_digits()
+    x = (found.data / 16.0).astype(np.float32).reshape(-1, *DIGITS_SHAPE)
+    return x[:n], found.target.astype(np.int32)[:n]
+
+
+def digits_split() -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """The first 300 digits to train on and the next 200 held out."""
+    x, y = digits(DIGITS_TRAIN + DIGITS_HELD_OUT)
+    return (x[:DIGITS_TRAIN], y[:DIGITS_TRAIN]), (x[DIGITS_TRAIN:], y[DIGITS_TRAIN:])
+
+
+def regression_data(n: int = 512, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """A noisy linear target of normal features, y of shape (n, 1)."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, REGRESSION_FEATURES)).astype(np.float32)
+    weights = rng.normal(size=(REGRESSION_FEATURES, 1))
+    y = x @ weights + 0.1 * rng.normal(size=(n, 1))
+    return x, y.astype(np.float32)
+
+
+def bert_data(n: int = 256, seed: int = 0) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Token ids in [1, 100), every fourth sequence padded (token 0, mask 0) after a random
+    length; two segments; label 1 where the mean real token id is above the middle."""
+    rng = np.random.default_rng(seed)
+    token_ids = rng.integers(1, BERT_VOCABULARY, size=(n, BERT_TOKENS), dtype=np.int32)
+    lengths = np.full(n, BERT_TOKENS)
+    lengths[::4] = rng.integers(BERT_TOKENS // 2, BERT_TOKENS, size=len(lengths[::4]))
+    padding_mask = (np.arange(BERT_TOKENS) < lengths[:, None]).astype(np.int32)
+    token_ids *= padding_mask
+    segment_ids = np.broadcast_to(np.arange(BERT_TOKENS) >= BERT_TOKENS // 2, token_ids.shape)
+    mean_token = token_ids.sum(axis=1) / lengths
+    x = {
+        "token_ids": token_ids,
+        "segment_ids": segment_ids.astype(np.int32),
+        "padding_mask": padding_mask,
+    }
+    return x, (mean_token > BERT_VOCABULARY / 2).astype(np.int32)
