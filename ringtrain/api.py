@@ -91,6 +91,13 @@ def train_keras(
                 "--scale-lr and --warmup-epochs act on a constant compiled learning rate; "
                 "this model's optimizer has a schedule"
             )
+        if me.world_size > 1 and any(
+            getattr(layer, "synchronized", False) for layer in model._flatten_layers()
+        ):
+            raise UserError(
+                "BatchNormalization(synchronized=True) is not honoured across ranks yet; "
+                "use synchronized=False (each replica normalises its own share)"
+            )
         make = _keras_engine(model, data, cfg, me.world_size)
     result = _run(cfg, f"Keras model {model.name!r}", _looped(data, cfg, make))
     if result.weights is not None:  # rank 0: the stages' weights, gathered

@@ -10,10 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import BIN, ENV, ROOT, run
 from reference import keras_fit_updates, saved_model_updates
-from test_bad_input import said_once
+from test_bad_input import said_once, train_under_mpirun
 
 from ringtrain.errors import EXIT_USAGE
 
@@ -109,6 +110,35 @@ def uncompiled():
     inputs = keras.Input((8, 8, 1))
     return keras.Model(inputs, keras.layers.Dense(10)(keras.layers.Flatten()(inputs)))
 
+class Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.flat, self.dense = keras.layers.Flatten(), keras.layers.Dense(10)
+
+    def call(self, x):
+        return self.dense(self.flat(x))
+
+def subclassed():
+    model = Subclassed()
+    model(keras.ops.zeros((1, 8, 8, 1)))
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    return model
+
+def shared_at_both_ends():
+    inputs = keras.Input((8, 8, 1))
+    shared = keras.layers.Dense(1, name="shared")
+    hidden = keras.layers.Dense(1, name="middle")(shared(inputs))
+    model = keras.Model(inputs, shared(hidden))
+    model.compile(optimizer="adam", loss="mse")
+    return model
+
+def synchronized_norm():
+    inputs = keras.Input((8, 8, 1))
+    hidden = keras.layers.BatchNormalization(synchronized=True)(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(10)(keras.layers.Flatten()(hidden)))
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    return model
+
 def per_example_loss():
     model = uncompiled()
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
@@ -158,3 +188,55 @@ def test_bad_user_model_flags_are_refused_before_tensorflow(args, needle, before
 def test_a_bad_model_function_is_refused_in_one_line(function, needle, bad_models):
     args = ["--model", f"{bad_models}:{function}", "--steps", "1", "--strategy", "single"]
     said_once(run([str(BIN / "ringtrain"), "train", *args], timeout=120), EXIT_USAGE, needle)
+
+
+PIPELINE = ["--strategy", "pipeline", "--steps", "1", "--batch-size", "32"]
+
+
+@pytest.mark.parametrize(
+    "model,args,needle",
+    [
+        ("subclassed", PIPELINE, "is subclassed (no layer graph)"),
+        ("shared_at_both_ends", PIPELINE, "too few for 2 stages; the largest that cannot be cut"),
+        (GOOD, [*PIPELINE, "--split-at", "no_such_layer"], "--split-at no_such_layer: no such"),
+        (GOOD, [*PIPELINE, "--split-at", "block_conv2"], "lies inside the block block_conv1"),
+        ("synchronized_norm", ["--strategy", "data", "--steps", "1"], "synchronized=True"),
+    ],
+)
+def test_a_graph_that_cannot_be_cut_as_asked_is_refused_in_one_line(
+    model, args, needle, bad_models
+):
+    target = model if ":" in model else f"{bad_models}:{model}"
+    said_once(train_under_mpirun("--model", target, *args), EXIT_USAGE, needle)
+
+
+def test_a_users_model_stops_and_resumes_to_the_same_weights_as_an_unbroken_run(tmp_path):
+    """--stop-after checkpoints the compiled optimizer's state (SGD with Nesterov momentum) on
+    2 data-parallel ranks; --resume on one process finishes the run: the same weights, as the
+    replicas are identical. A checkpoint of another model is refused."""
+    nesterov = ["--model-arg", "optimizer='nesterov'", "--strategy", "single"]
+    whole, resumed, ckpt = tmp_path / "whole.npz", tmp_path / "resumed.npz", tmp_path / "ckpt"
+    assert train(*nesterov, "--weights-out", str(whole)).returncode == 0
+    launcher = ["mpirun", "--oversubscribe", "-np", "2"]
+    stopped = train(
+        "--model-arg",
+        "optimizer='nesterov'",
+        "--strategy",
+        "data",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--stop-after",
+        "2",
+        launcher=launcher,
+    )
+    assert stopped.returncode == 75, stopped.stderr[-2000:]
+    done = train(
+        *nesterov, "--checkpoint-dir", str(ckpt), "--resume", "--weights-out", str(resumed)
+    )
+    assert done.returncode == 0 and "resumed from" in done.stdout, done.stderr[-2000:]
+    other = [str(BIN / "ringtrain"), "train", "--model", f"{USER_MODELS}:bn_cnn", "--resume"]
+    other += ["--checkpoint-dir", str(ckpt), "--strategy", "single", "--steps", "3"]
+    said_once(run(other), EXIT_USAGE, "checkpoint")
+    a, b = np.load(whole), np.load(resumed)
+    assert sorted(a.files) == sorted(b.files)
+    assert max(float(np.max(np.abs(a[k] - b[k]))) for k in a.files) < 1e-6
