@@ -1,4 +1,4 @@
-"""Held-out accuracy computed in shards: each rank scores a strided share, counts are summed."""
+"""Held-out scores computed in shards: each rank scores a strided share, counts are summed."""
 
 from __future__ import annotations
 
@@ -6,24 +6,19 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ringtrain.data import Dataset
+CHUNK = 512  # held-out examples per forward pass
 
 
-def sharded_accuracy(
-    predict: Callable[[np.ndarray], np.ndarray],
-    data: Dataset,
-    comm,
-    part: int,
-    parts: int,
-    chunk: int = 512,
-) -> float:
-    """predict maps a feature batch to class ids; comm must include every part exactly once."""
-    mine = np.arange(len(data.x_test))[part::parts]
-    correct = 0
-    for start in range(0, len(mine), chunk):
-        idx = mine[start : start + chunk]
-        correct += int(np.sum(predict(data.x_test[idx]) == data.y_test[idx]))
-    return count_accuracy(comm, correct, len(mine))
+def score_shards(scorer, predict: Callable, examples, comm, part: int, parts: int) -> dict:
+    """Each of `parts` ranks scores a strided share of the held-out examples with the whole
+    model (`predict` maps a chunk's features to its outputs); comm must include every part.
+    `scorer` is an AccuracyScorer or a user's compiled metrics."""
+    scorer.reset()
+    mine = np.arange(len(examples))[part::parts]
+    for start in range(0, len(mine), CHUNK):
+        x, y = examples.take(mine[start : start + CHUNK])
+        scorer.update(predict(x), y)
+    return scorer.result(comm)
 
 
 def count_accuracy(comm, correct: int, total: int) -> float:
@@ -41,8 +36,8 @@ class AccuracyScorer:
         self.correct = self.total = 0
 
     def update(self, scores, y: np.ndarray) -> None:
-        self.correct += int(np.sum(np.argmax(scores.numpy(), axis=-1) == y))
+        self.correct += int(np.sum(np.argmax(np.asarray(scores), axis=-1) == y))
         self.total += len(y)
 
-    def result(self, comm, _scored_here: bool) -> dict[str, float]:
+    def result(self, comm) -> dict[str, float]:
         return {"accuracy": count_accuracy(comm, self.correct, self.total)}

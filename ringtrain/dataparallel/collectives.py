@@ -22,13 +22,13 @@ def average_gradients(hvd, grads: list, fp16: bool = False, process_set=None) ->
     compression = hvd.Compression.fp16 if fp16 else hvd.Compression.none
     kwargs = {"process_set": process_set} if process_set is not None else {}
     out = list(grads)
-    by_dtype: dict = {}
+    dense, by_dtype = {}, {}
     for i, g in enumerate(grads):
         if isinstance(g, tf.IndexedSlices):
             out[i] = _average_slices(hvd, g, process_set, kwargs)
         else:
-            by_dtype.setdefault(g.dtype, []).append(i)
-    dense = [tf.convert_to_tensor(g) for g in grads]
+            dense[i] = tf.convert_to_tensor(g)
+            by_dtype.setdefault(dense[i].dtype, []).append(i)
     for members in by_dtype.values():
         flat = tf.concat([tf.reshape(dense[i], [-1]) for i in members], 0)
         averaged = hvd.allreduce(flat, op=hvd.Average, compression=compression, **kwargs)

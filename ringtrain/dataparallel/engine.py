@@ -12,7 +12,7 @@ from ringtrain.checkpoint import WholeModelReplica
 from ringtrain.config import TrainConfig
 from ringtrain.data import Dataset, shard
 from ringtrain.dataparallel.collectives import average_gradients, broadcast_state, buckets
-from ringtrain.evaluate import sharded_accuracy
+from ringtrain.evaluate import AccuracyScorer, score_shards
 from ringtrain.models import ModelSpec, forward, loss_fn, trainable_variables
 from ringtrain.optim import LearningRate, make_optimizer
 from ringtrain.runtime import World
@@ -36,7 +36,7 @@ class DataParallelEngine(WholeModelReplica):
         self.buckets = buckets(sizes, cfg.bucket_mb) if cfg.bucket_mb else [list(range(len(sizes)))]
         self._train_step = tf.function(self._step_graph)
         self._traced_step = tf.function(lambda x, y, stop: self._step_graph(x, y, stop, True))
-        self._predict = tf.function(lambda x: tf.argmax(forward(self.elements, x), axis=-1))
+        self._predict = tf.function(lambda x: forward(self.elements, x))
         self._lr = LearningRate(self.optimizer)
 
     def _step_graph(self, x: tf.Tensor, y: tf.Tensor, stop: tf.Tensor, timed: bool = False):
@@ -104,11 +104,15 @@ class DataParallelEngine(WholeModelReplica):
         return {"backward_end_ms": ms[0], "bucket_arrival_ms": ms[1:]}
 
     def evaluate(self) -> dict[str, float]:
-        predict = lambda x: self._predict(x).numpy()  # noqa: E731
-        accuracy = sharded_accuracy(
-            predict, self.data, self.world.comm, self.world.rank, self.world.size
+        world = self.world
+        return score_shards(
+            AccuracyScorer(),
+            self._predict,
+            self.data.validation,
+            world.comm,
+            world.rank,
+            world.size,
         )
-        return {"accuracy": accuracy}
 
     def gather_weights(self) -> dict[str, np.ndarray] | None:
         """Replicas are identical, so rank 0's copy is the model."""

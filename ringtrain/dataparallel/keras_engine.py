@@ -16,13 +16,13 @@ from ringtrain.checkpoint import WholeModelReplica
 from ringtrain.config import TrainConfig
 from ringtrain.data import UserData, uneven_shard
 from ringtrain.dataparallel.collectives import average_gradients
+from ringtrain.evaluate import score_shards
 from ringtrain.keras_model.compiled import (
     CompiledMetrics,
     base_learning_rate,
     global_loss,
     loss_share,
     reduction_kind,
-    score_shards,
 )
 from ringtrain.optim import LearningRate
 from ringtrain.runtime import World

@@ -19,7 +19,7 @@ from ringtrain import log
 from ringtrain.config import TrainConfig
 from ringtrain.data import Dataset, epoch_batches, shard, step_plan
 from ringtrain.dataparallel.collectives import average_gradients, broadcast_state
-from ringtrain.evaluate import sharded_accuracy
+from ringtrain.evaluate import AccuracyScorer, score_shards
 from ringtrain.guard import Watchdog, non_finite
 from ringtrain.models import ModelSpec
 from ringtrain.optim import learning_rate, make_optimizer
@@ -178,8 +178,10 @@ def fit(spec: ModelSpec, data: Dataset, cfg: TrainConfig, world: World, watchdog
             {"loss": history.history["loss"][0], "train accuracy": history.history["accuracy"][0]}
         )
     seconds = time.perf_counter() - started
-    predict = lambda x: np.argmax(model.predict(x, verbose=0), axis=-1)  # noqa: E731
-    accuracy = sharded_accuracy(predict, data, world.comm, world.rank, world.size)
+    predict = lambda x: model.predict(x, verbose=0)  # noqa: E731
+    held_out = data.validation
+    scores = score_shards(AccuracyScorer(), predict, held_out, world.comm, world.rank, world.size)
+    accuracy = scores["accuracy"]
     metrics = {
         "strategy": cfg.strategy,
         "world_size": world.size,

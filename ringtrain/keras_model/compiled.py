@@ -114,7 +114,7 @@ class CompiledMetrics:
         self.loss_sum += float(self._score(y, outputs)) * n
         self.count += n
 
-    def result(self, comm, _scored_here: bool = True) -> dict[str, float]:
+    def result(self, comm) -> dict[str, float]:
         """Collective over comm: the ranks that scored sum their states; the first of them
         tells every rank the scores (JSON bytes in buffers, never pickled)."""
         from mpi4py import MPI
@@ -150,16 +150,6 @@ class CompiledMetrics:
         )
         comm.Bcast(buf, root=int(root[0]))
         return json.loads(buf.tobytes())
-
-
-def score_shards(scorer: CompiledMetrics, predict, examples, comm, part: int, parts: int) -> dict:
-    """Each of `parts` ranks scores a strided share of the examples with the whole model."""
-    scorer.reset()
-    mine = np.arange(len(examples))[part::parts]
-    for start in range(0, len(mine), 512):
-        x, y = examples.take(mine[start : start + 512])
-        scorer.update(predict(x), y)
-    return scorer.result(comm)
 
 
 def unregistered(model) -> list[str]:

@@ -191,14 +191,6 @@ class GraphSplit:
             pieces.append(keras.Model(inputs, outputs, name=f"{self.model.name}_stage{s}"))
         return pieces
 
-    def describe(self, bounds: list[tuple[int, int]]) -> str:
-        parts = []
-        for s, (a, b) in enumerate(bounds):
-            first, last = self.blocks[a].layers[0], self.blocks[b - 1].layers[-1]
-            params = sum(block.params for block in self.blocks[a:b])
-            parts.append(f"stage {s}: {first} .. {last} ({params} parameters)")
-        return "; ".join(parts)
-
 
 def split_graph(model: keras.Model, x) -> GraphSplit:
     """The model's split, for examples `x` (an array, or a dict keyed by input name)."""

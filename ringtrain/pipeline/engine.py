@@ -26,6 +26,7 @@ from ringtrain.comm import Link, PostedReceive
 from ringtrain.config import TrainConfig, partition_method, pp_size_of
 from ringtrain.data import shard, take, uneven_shard
 from ringtrain.dataparallel.collectives import average_gradients
+from ringtrain.evaluate import CHUNK
 from ringtrain.guard import agree
 from ringtrain.models import ModelSpec
 from ringtrain.optim import LearningRate
@@ -487,8 +488,8 @@ class PipelineEngine(Checkpointable):
         mine = np.arange(len(held_out))[self.dp_rank :: self.dp_size]
         stage_ranks = self.schedule.stage_ranks
         self.scorer.reset()
-        for start in range(0, len(mine), 512):
-            idx = mine[start : start + 512]
+        for start in range(0, len(mine), CHUNK):
+            idx = mine[start : start + CHUNK]
             x, y = held_out.take(idx)
             value = None  # stage 0's input, then each stage's output in turn
             for s, stage in self.local_stages.items():
@@ -508,7 +509,7 @@ class PipelineEngine(Checkpointable):
                     tag = self._evaluation_tag(s)
                     self.link.send_buffer(out, stage_ranks[s + 1], tag, "evaluation activations")
                     self.link.flush()
-        return self.scorer.result(self.world.comm, self.n_stages - 1 in self.local_stages)
+        return self.scorer.result(self.world.comm)
 
     def _evaluation_tag(self, stage: int) -> int:
         """Above every training message's tag, one per sending stage."""
