@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -74,18 +74,24 @@ def train(spec: ModelSpec, data: Dataset, cfg: TrainConfig) -> TrainResult:
 
 
 def train_keras(
-    model, data: UserData, cfg: TrainConfig, given: Collection[str] = ()
+    model,
+    data: UserData,
+    cfg: TrainConfig,
+    given: Collection[str] = (),
+    callbacks: Sequence = (),
 ) -> TrainResult:
     """`train` for a user's own compiled Keras model, which ends up trained on rank 0 (on
     every rank under data parallelism). `given` names the settings the caller chose (a
-    compiled model refuses some of them)."""
-    from ringtrain.keras_model.compiled import base_learning_rate, check_compiled
+    compiled model refuses some of them); `callbacks` are Keras callbacks, run on rank 0."""
+    from ringtrain.keras_model.callbacks import EpochCallbacks, check_callbacks
+    from ringtrain.keras_model.compiled import base_learning_rate, check_compiled, receive_weights
 
     me = who_am_i()
     with alike_on_every_rank(me.rank):
         validate_user_model(cfg, me.world_size, given)
         check_compiled(model, "the model")
-        step_plan(data.n_examples, cfg.batch_size, cfg.epochs, cfg.steps, True)
+        check_callbacks(callbacks)
+        total, per_epoch = step_plan(data.n_examples, cfg.batch_size, cfg.epochs, cfg.steps, True)
         if base_learning_rate(model.optimizer) is None and (cfg.scale_lr or cfg.warmup_epochs):
             raise UserError(
                 "--scale-lr and --warmup-epochs act on a constant compiled learning rate; "
@@ -99,14 +105,23 @@ def train_keras(
                 "use synchronized=False (each replica normalises its own share)"
             )
         make = _keras_engine(model, data, cfg, me.world_size)
-    result = _run(cfg, f"Keras model {model.name!r}", _looped(data, cfg, make))
+    hooks = None
+    if callbacks:
+        hooks = EpochCallbacks(callbacks, model, me.rank, -(-total // per_epoch), per_epoch)
+        hooks.train_begin()
+    result = _run(cfg, f"Keras model {model.name!r}", _looped(data, cfg, make, hooks))
     if result.weights is not None:  # rank 0: the stages' weights, gathered
-        by_path = {v.path: v for v in model.weights}
-        for name, value in result.weights.items():
-            by_path[name].assign(value)
+        receive_weights(model, result.weights)
+        if hooks:
+            hooks.train_end(_last_epoch_logs(result.metrics))
         if cfg.save:
             save_keras(model, cfg.save)
     return result
+
+
+def _last_epoch_logs(metrics: dict) -> dict:
+    """The last epoch's figures, as Keras hands them to on_train_end."""
+    return {name: values[-1] for name, values in metrics.get("history", {}).items() if values}
 
 
 def _keras_engine(model, data: UserData, cfg: TrainConfig, world_size: int):
@@ -138,14 +153,14 @@ def _keras_engine(model, data: UserData, cfg: TrainConfig, world_size: int):
     return make
 
 
-def _looped(data, cfg: TrainConfig, make):
+def _looped(data, cfg: TrainConfig, make, callbacks=None):
     """The shared loop on the engine `make(world)` builds: (metrics, gathered weights)."""
 
     def run(world: runtime.World, watchdog: Watchdog):
         engine, dp_size = make(world)
         traffic = step_traffic(engine, cfg.microbatches)  # the deadline rule, for a whole step
         watchdog.allow(transfer_time(traffic, cfg.min_link_rate))
-        metrics = loop.run(engine, data, cfg, world, dp_size, watchdog)
+        metrics = loop.run(engine, data, cfg, world, dp_size, watchdog, callbacks)
         watchdog.kick("gathering the weights")
         return metrics, engine.gather_weights()
 
@@ -239,13 +254,15 @@ def fit(
     steps: int | None = None,
     shuffle: bool = True,
     validation_data: tuple | None = None,
+    callbacks: Sequence = (),
     **options: Any,
 ):
     """Train `model` on numpy arrays (dicts of them for several inputs or outputs) as Keras's
     `fit` would on one process with this global batch; return a keras.callbacks.History whose
     `history` holds the loss per epoch and, with validation_data, `val_` + each compiled
     metric. Nothing is held out of x. With shuffle=False, global batch t is examples
-    [t*B, (t+1)*B) and an epoch's last batch may be partial, as in Keras."""
+    [t*B, (t+1)*B) and an epoch's last batch may be partial, as in Keras. Keras `callbacks`
+    run on rank 0 at epoch ends; their stop and learning-rate changes reach every rank."""
     allowed = {f.name for f in fields(TrainConfig)} - set(NOT_OPTIONS)
     for name in options:
         if name not in allowed:
@@ -266,7 +283,8 @@ def fit(
         shuffle=shuffle,
         **options,
     )
-    result = train_keras(model, UserData(Examples(x, y), validation), cfg, given=set(options))
+    data = UserData(Examples(x, y), validation)
+    result = train_keras(model, data, cfg, given=set(options), callbacks=callbacks or ())
     return history_of(model, result.metrics)
 
 

@@ -83,11 +83,14 @@ def run(
     world,
     dp_size: int,
     watchdog: Watchdog,
+    callbacks=None,
 ) -> dict:
     """Train for the configured steps; return the metrics every strategy reports.
 
-    `metrics["finished"]` is False when a signal or --stop-after ended the run early. The
-    caller's watchdog keeps running after the loop, for the gathers that follow.
+    `metrics["finished"]` is False when a signal or --stop-after ended the run early (a
+    callback's stop, as in Keras, is a finished run). The caller's watchdog keeps running
+    after the loop, for the gathers that follow. `callbacks`: a user's Keras callbacks
+    (keras_model.callbacks.EpochCallbacks), run at epoch boundaries.
     """
     n_examples, keep_partial = data.n_examples, data.keeps_partial_batch
     total, per_epoch = step_plan(n_examples, cfg.batch_size, cfg.epochs, cfg.steps, keep_partial)
@@ -104,7 +107,7 @@ def run(
     step_seconds: list[float] = []
     agreeing, clock = isinstance(engine, AgreeingEngine), PhaseClock()
     history: dict[str, list[float]] = {"loss": []}
-    held_out, finished, started = {}, True, time.perf_counter()
+    held_out, finished, called_off, started = {}, True, False, time.perf_counter()
     for step in range(first, total):
         epoch, i = divmod(step, per_epoch)
         if i == 0 or step == first:
@@ -113,6 +116,9 @@ def run(
             )
             label, steps = f"epoch {epoch + 1}/{n_epochs}", min(per_epoch - i, total - step)
             progress = log.EpochProgress(style, label, steps)
+            if callbacks and i == 0:
+                watchdog.kick(f"the callbacks before epoch {epoch + 1}")
+                callbacks.epoch_begin(epoch, engine, world.comm)
         counted = step > first
         clock.lap("loop", counted)
         tick = clock.mark
@@ -163,7 +169,15 @@ def run(
             if board:
                 scalars = {f"held_out_{k}": v for k, v in held_out.items()}
                 board.write(step + 1, {**scalars, **measured}, flush=True)
+            if callbacks and i == per_epoch - 1:
+                watchdog.kick(f"the callbacks after epoch {epoch + 1}")
+                logs = {"loss": epoch_loss, **{f"val_{k}": v for k, v in held_out.items()}}
+                stop_now = callbacks.epoch_end(epoch, logs, engine, world.comm)
+                called_off = stop_now and step + 1 < total
         clock.lap("checkpoints_and_evaluation", counted)
+        if called_off:
+            log.info(f"a callback stopped training after epoch {epoch + 1}")
+            break
         if stopping and step + 1 < total:
             finished = False
             log.info(

@@ -240,3 +240,81 @@ def test_a_users_model_stops_and_resumes_to_the_same_weights_as_an_unbroken_run(
     a, b = np.load(whole), np.load(resumed)
     assert sorted(a.files) == sorted(b.files)
     assert max(float(np.max(np.abs(a[k] - b[k]))) for k in a.files) < 1e-6
+
+
+CALLBACKS_SCRIPT = """
+import json, os, sys
+sys.path.insert(0, {tests!r})
+import keras, ringtrain, user_models
+from ringtrain.errors import UserError
+
+rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
+seen = []
+
+class Recorder(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        seen.append([epoch, sorted(logs)])
+
+keras.utils.set_random_seed(3)
+model = user_models.residual_cnn("nesterov")
+(x, y), held_out = user_models.digits_split()
+try:
+    ringtrain.fit(model, x, y, batch_size=100, callbacks=[keras.callbacks.TensorBoard({out!r})])
+except UserError as refused:
+    print("refused:", refused)
+callbacks = [
+    Recorder(),
+    keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.05 * 0.5**epoch),
+    keras.callbacks.EarlyStopping(monitor="loss", patience=0, min_delta=1e9),
+    keras.callbacks.ModelCheckpoint({checkpoint!r}, save_weights_only=True),
+]
+history = ringtrain.fit(
+    model, x, y, strategy="pipeline", batch_size=100, epochs=5, shuffle=False,
+    validation_data=held_out, callbacks=callbacks, microbatches=2,
+)
+final = {{v.path: v.numpy().tolist() for v in model.weights}} if rank == 0 else None
+print("@" + json.dumps({{
+    "rank": rank, "epochs": len(history.history["loss"]), "seen": seen,
+    "lr": float(model.optimizer.learning_rate.numpy()), "final": final,
+}}))
+"""
+
+
+def test_keras_callbacks_run_on_rank_0_at_epoch_ends_and_every_rank_follows_them(tmp_path):
+    """Under a 2-stage pipeline: EarlyStopping stops every rank after its second epoch of five,
+    LearningRateScheduler's rate reaches every rank, ModelCheckpoint on rank 0 saves the whole
+    model (every stage's weights gathered first), the epoch logs carry loss and val_ metrics,
+    nothing runs on rank 1; a per-batch callback (Keras's TensorBoard) is refused in one line."""
+    checkpoint = tmp_path / "epoch.weights.h5"
+    script = tmp_path / "fit_with_callbacks.py"
+    script.write_text(
+        CALLBACKS_SCRIPT.format(
+            tests=str(USER_MODELS.parent), out=str(tmp_path / "tb"), checkpoint=str(checkpoint)
+        )
+    )
+    done = run(["mpirun", "--oversubscribe", "-np", "2", sys.executable, str(script)])
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    reports = {
+        r["rank"]: r
+        for r in (json.loads(line[1:]) for line in done.stdout.splitlines() if line[:1] == "@")
+    }
+    assert sorted(reports) == [0, 1]
+    assert done.stdout.count("refused: callbacks: TensorBoard uses") == 2  # once per rank
+    keys = ["loss", "val_accuracy", "val_loss"]
+    assert reports[0]["seen"] == [[0, keys], [1, keys]] and reports[1]["seen"] == []
+    for report in reports.values():
+        assert report["epochs"] == 2 and report["lr"] == pytest.approx(0.025)
+    check = f"""
+import json, sys
+sys.path.insert(0, {str(USER_MODELS.parent)!r})
+import keras, user_models
+model = user_models.residual_cnn("nesterov")
+model.load_weights({str(checkpoint)!r})
+print(json.dumps({{v.path: v.numpy().tolist() for v in model.weights}}))
+"""
+    saved = run([sys.executable, "-c", check])
+    assert saved.returncode == 0, saved.stderr[-2000:]
+    final, at_epoch_end = reports[0]["final"], json.loads(saved.stdout.splitlines()[-1])
+    assert sorted(final) == sorted(at_epoch_end)
+    for name, value in final.items():
+        np.testing.assert_array_equal(np.array(at_epoch_end[name]), np.array(value), name)

@@ -80,6 +80,13 @@ def global_loss(model, x, y, y_pred, share: tf.Tensor) -> tf.Tensor:
     return (total - extra) * share + extra
 
 
+def receive_weights(model, weights: dict) -> None:
+    """Assign gathered weights, keyed by variable path, to the user's model."""
+    by_path = {v.path: v for v in model.weights}
+    for name, value in weights.items():
+        by_path[name].assign(value)
+
+
 def base_learning_rate(optimizer) -> float | None:
     """The compiled constant rate, which --scale-lr and --warmup-epochs act on; None when a
     schedule sets it."""
