@@ -43,11 +43,6 @@ def validate_user_model(cfg: TrainConfig, world_size: int, given: Collection[str
     _validate_strategy_shape(cfg, world_size)
     pp_size = pp_size_of(cfg, world_size)
     _validate_pipeline(cfg, pp_size, None)
-    if cfg.partition == "time":
-        raise UserError(
-            "--partition time times built-in elements; a graph splits by uniform or params "
-            "(its default)"
-        )
     shares = world_size // pp_size * (cfg.microbatches if pp_size > 1 else 1)
     if cfg.batch_size < shares:
         raise UserError(

@@ -317,7 +317,9 @@ KERAS_ZOO = {  # model -> (data, examples: fewer than S*B make a partial, uneven
     "regression_mlp": ("regression_data", KERAS_BATCH * KERAS_STEPS),
     "frozen_finetune": ("digits", KERAS_BATCH * KERAS_STEPS),
     "bn_cnn": ("digits", KERAS_BATCH * KERAS_STEPS),
+    "residual_cnn_nesterov": ("digits", KERAS_BATCH * KERAS_STEPS - 10),
 }
+GRID_MODELS = [m for m in KERAS_ZOO if m != "residual_cnn_nesterov"]
 
 
 def keras_grid(world_size: int) -> list[TrainConfig]:
@@ -331,7 +333,12 @@ def keras_grid(world_size: int) -> list[TrainConfig]:
         ],
         4: [dict(strategy="hybrid", pp_size=2, schedule="1f1b", microbatches=4)],
     }.get(world_size, [])
-    return [replace(base, model=m, **r) for r in runs for m in KERAS_ZOO]
+    grid = [replace(base, model=m, **r) for r in runs for m in GRID_MODELS]
+    if world_size == 2:  # the CNN with SGD + Nesterov momentum too; BERT in four stages
+        grid += [replace(base, model="residual_cnn_nesterov", **r) for r in runs[:2]]
+        four = dict(schedule="interleaved", virtual_stages=2, microbatches=4)
+        grid.append(replace(base, model="bert_classifier", strategy="pipeline", **four))
+    return grid
 
 
 def keras_check(cfg: TrainConfig, world: runtime.World, sets: dict) -> dict:

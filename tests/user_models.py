@@ -51,6 +51,11 @@ def residual_cnn(optimizer: str = "adam") -> keras.Model:
     return _classification(keras.Model(pixels, logits, name="residual_cnn"), _optimizer(optimizer))
 
 
+def residual_cnn_nesterov() -> keras.Model:
+    """The residual CNN under SGD with Nesterov momentum."""
+    return residual_cnn("nesterov")
+
+
 def bn_cnn() -> keras.Model:
     """BatchNormalization: its batch statistics depend on how many examples share a forward
     pass, and its moving averages are weights that no gradient updates."""

@@ -188,8 +188,18 @@ class GraphSplit:
             end = self.block_starts[b] if b < len(self.blocks) else len(self.nodes)
             inputs = list(self.flat.inputs) if s == 0 else self.crossing(start)
             outputs = list(self.flat.outputs) if b == len(self.blocks) else self.crossing(end)
+            if s > 0:  # Keras cannot output an intermediate input as it is: pass it through
+                outputs = [
+                    _passed(t, f"{self.model.name}_stage{s}_{j}") if t in inputs else t
+                    for j, t in enumerate(outputs)
+                ]
             pieces.append(keras.Model(inputs, outputs, name=f"{self.model.name}_stage{s}"))
         return pieces
+
+
+def _passed(tensor, name: str):
+    """A tensor that crosses a stage untouched (a padding mask), through a weightless layer."""
+    return keras.layers.Identity(name=name)(tensor)
 
 
 def split_graph(model: keras.Model, x) -> GraphSplit:

@@ -21,16 +21,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from ringtrain import log
-from ringtrain.checkpoint import Checkpointable, stored_partition
+from ringtrain.checkpoint import Checkpointable
 from ringtrain.comm import Link, PostedReceive
-from ringtrain.config import TrainConfig, partition_method, pp_size_of
+from ringtrain.config import TrainConfig, pp_size_of
 from ringtrain.data import shard, take, uneven_shard
 from ringtrain.dataparallel.collectives import average_gradients
 from ringtrain.evaluate import CHUNK
-from ringtrain.guard import agree
 from ringtrain.models import ModelSpec
 from ringtrain.optim import LearningRate
-from ringtrain.pipeline import partition
 from ringtrain.pipeline.calibrate import (
     calibration_steps,
     measure_link,
@@ -39,8 +37,9 @@ from ringtrain.pipeline.calibrate import (
 )
 from ringtrain.pipeline.costs import FREE_LINK, predict_from_steps
 from ringtrain.pipeline.grid import Grid
-from ringtrain.pipeline.ir import COMPUTE, Action, Op, Tensor, carries, consumes, produces
+from ringtrain.pipeline.ir import Action, Op, Tensor, carries, consumes, produces
 from ringtrain.pipeline.lower import send_when_made
+from ringtrain.pipeline.profile import choose_bounds
 from ringtrain.pipeline.schedule import pipeline_schedule
 from ringtrain.pipeline.simulate import SimResult, simulate
 from ringtrain.pipeline.split import ElementPlan
@@ -179,8 +178,10 @@ class PipelineEngine(Checkpointable):
             log.info(self.grid.describe())
 
         self.mb_size = -(-cfg.batch_size // self.dp_size // cfg.microbatches)  # the largest
-        self.element_seconds: list[dict[Op, float]] = []  # rank 0, time partition: per element
-        self.bounds = self._partition()
+        # With the time partition, rank 0 keeps each unit's timings for the calibration report.
+        self.bounds, self.element_seconds = choose_bounds(
+            self.plan, cfg, world, self.schedule, self.mb_size
+        )
         self.local_stages = {  # the stages this rank holds, by index
             s: self.plan.build(s, self.bounds, cfg.microbatches)
             for s in self.schedule.stages_on(self.pp_rank)
@@ -248,55 +249,6 @@ class PipelineEngine(Checkpointable):
     def _tag(self, t: Tensor) -> int:
         return message_tag(t.stage, self.cfg.microbatches, t.mb, KINDS[t.kind])
 
-    def _partition(self) -> list[tuple[int, int]]:
-        """The checkpoint's split when resuming (the parts hold its stages), --split-at's, or
-        a fresh one."""
-        n_units = self.plan.n_units
-        if self.cfg.resume and self.cfg.checkpoint_dir:
-            wait = Link(self.world.comm, self.cfg.comm_timeout).wait
-            stored = agree(
-                self.world.comm,
-                wait,
-                lambda: stored_partition(self.cfg.checkpoint_dir, self.n_stages, n_units),
-            )
-            if stored is not None:
-                log.info(f"partition (from the checkpoint): {partition.describe(stored)}")
-                return stored
-        method = partition_method(self.cfg, n_units, self.n_stages)
-        if self.cfg.split_at:
-            bounds = self.plan.split_at(self.cfg.split_at.split(","), self.n_stages)
-            method, costs = "--split-at", None
-        elif method == "time" and not self.plan.measurable:  # a graph's blocks are not timed
-            method = "params"
-        if method == "uniform":
-            bounds, costs = partition.uniform(n_units, self.n_stages), None
-        elif method == "params":
-            costs = self.plan.unit_params()
-            bounds = partition.balanced(costs, self.n_stages)
-        elif method == "time":
-            seconds = self._element_seconds(self.plan)
-            costs = [e[Op.F] + e[Op.B] for e in seconds]
-            if len(set(self.schedule.stage_ranks)) < self.n_stages:  # a rank holds several stages
-                bounds = partition.fastest(seconds, self.schedule)
-            else:
-                bounds = partition.balanced(costs, self.n_stages)
-        log.info(f"partition ({method}): {partition.describe(bounds, costs)}")
-        return bounds
-
-    def _element_seconds(self, plan: ElementPlan) -> list[dict[str, float]]:
-        """Each element's F, B, BI and BW seconds, measured on rank 0 (elements built one at a
-        time and dropped) and broadcast so every rank splits identically. Rank 0 keeps them
-        for the metrics' calibration."""
-        table = np.zeros((plan.n_units, len(COMPUTE)), np.float64)
-        if self.world.rank == 0:
-            for i in range(plan.n_units):
-                element = plan.spec.build([i], self.cfg.seed)[0]
-                seconds = time_element(element, (self.mb_size, *plan.shapes[i]))
-                self.element_seconds.append(seconds)
-                table[i] = [seconds[op] for op in COMPUTE]
-        self.world.comm.Bcast(table, root=0)
-        return [dict(zip(COMPUTE, row.tolist(), strict=True)) for row in table]
-
     # ---- one optimizer step -------------------------------------------------------------
     def set_learning_rate(self, lr: float) -> None:
         self._lr.set(lr)
@@ -338,7 +290,8 @@ class PipelineEngine(Checkpointable):
         if self.stepped < len(self.local_stages):
             return
         grads = self._clip([g for stage in self.local_stages.values() for g in stage.grads])
-        self._apply(grads)
+        if self.variables:  # none on a rank that holds only frozen layers
+            self._apply(grads)
 
     def _apply_gradients(self, grads: list) -> None:
         """Compiled: applied eagerly, Adam's per-variable ops cost 0.2 s a step on the
@@ -346,7 +299,7 @@ class PipelineEngine(Checkpointable):
         self.optimizer.apply_gradients(zip(grads, self.variables, strict=True))
 
     def _average_over_replicas(self, grads: list) -> list:
-        if self.stage_set is None or self.dp_size == 1:
+        if self.stage_set is None or self.dp_size == 1 or not grads:
             return grads
         start = time.time()
         grads = average_gradients(self.world.hvd, grads, self.cfg.fp16_allreduce, self.stage_set)
@@ -443,8 +396,8 @@ class PipelineEngine(Checkpointable):
         """(weight gradients or None, input gradient or None) of one microbatch on a stage."""
         stage = self.local_stages[a.stage]
         sources = stage.sources(held.x, weights, inputs)
-        if not sources:
-            return None, None
+        if not sources:  # a first stage with no trainable weights (a frozen extractor)
+            return ([] if weights else None), None
         if held.tape is None:
             grads = stage.recompute(held.x, held.y, held.share, upstream, weights, inputs)
         else:
@@ -621,27 +574,3 @@ class PipelineEngine(Checkpointable):
             "peak_inflight": peaks.tolist(),
             "replica_checksums": checksums,
         }
-
-
-def time_element(element, input_shape: tuple[int, ...], repeats: int = 3) -> dict[Op, float]:
-    """Median seconds of an element's F, B, BI and BW on a microbatch-sized input, run the way
-    the executor runs a stage: a compiled forward under an eager tape, gradients from the tape
-    (B: weights and input; BI: the input only; BW: the weights only)."""
-    x = tf.random.normal(input_shape)
-    call = tf.function(element.__call__)
-    weights = list(element.trainable_weights)
-    wanted = {Op.B: [*weights, x], Op.BI: [x], Op.BW: weights}
-    timings: dict[Op, list[float]] = {op: [] for op in (Op.F, *wanted)}
-    for round_index in range(repeats + 1):  # the first round traces
-        for op, sources in wanted.items():
-            start = time.perf_counter()
-            with tf.GradientTape() as tape:
-                tape.watch(x)
-                out = call(x)
-            middle = time.perf_counter()
-            if sources:
-                tape.gradient(out, sources)
-            if round_index:
-                timings[Op.F].append(middle - start)
-                timings[op].append(time.perf_counter() - middle)
-    return {op: float(np.median(values)) for op, values in timings.items()}

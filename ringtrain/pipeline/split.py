@@ -15,15 +15,16 @@ from ringtrain.evaluate import AccuracyScorer
 from ringtrain.keras_model import compiled
 from ringtrain.models import ModelSpec
 from ringtrain.optim import make_optimizer
-from ringtrain.pipeline.ir import Tensor
+from ringtrain.pipeline.ir import Op, Tensor
+from ringtrain.pipeline.profile import time_unit
 from ringtrain.pipeline.stage import FloatCodec, KerasStage, Stage
+from ringtrain.tensorflow_loader import tf
 
 
 class ElementPlan:
     """A built-in model: elements of one float tensor in and out, equal microbatches."""
 
     even_microbatches = True
-    measurable = True  # elements build alone, so the `time` partition can time each
 
     def __init__(self, spec: ModelSpec, seed: int):
         self.spec, self.seed, self.shapes = spec, seed, spec.shapes()
@@ -39,6 +40,16 @@ class ElementPlan:
             element = self.spec.build([i], self.seed)[0]
             counts.append(float(sum(int(np.prod(v.shape)) for v in element.trainable_weights)))
         return counts
+
+    def unit_seconds(self, samples: int) -> list[dict[Op, float]]:
+        """Each element's F, B, BI and BW on `samples` examples, built alone and dropped."""
+        timings = []
+        for i in range(len(self.spec)):
+            element = self.spec.build([i], self.seed)[0]
+            x = tf.random.normal((samples, *self.shapes[i]))
+            call = lambda xs, e=element: e(xs[0])  # noqa: E731
+            timings.append(time_unit(call, [x], element.trainable_weights))
+        return timings
 
     def build(self, s: int, bounds: list[tuple[int, int]], microbatches: int) -> Stage:
         elements = self.spec.build(range(*bounds[s]), self.seed)
@@ -70,7 +81,6 @@ class GraphPlan:
     sharing the user's layers (and so their weights and names)."""
 
     even_microbatches = False  # a partial batch makes uneven microbatches, as in Keras's fit
-    measurable = False
 
     def __init__(self, model, split):
         self.model, self.split = model, split
@@ -83,6 +93,21 @@ class GraphPlan:
 
     def unit_params(self) -> list[float]:
         return [float(block.params) for block in self.split.blocks]
+
+    def unit_seconds(self, samples: int) -> list[dict[Op, float]]:
+        """Each block's F, B, BI and BW on `samples` examples, as a one-block stage model on
+        stand-in inputs: normal floats, and ones for integer inputs (token ids, masks). The
+        state a training forward moves (BatchNormalization's moving statistics, dropout's
+        seed) is put back, so timing leaves the run's weights as they were."""
+        timings = []
+        for block in self.pieces([(i, i + 1) for i in range(self.n_units)]):
+            inputs = [_stand_in(t, samples) for t in block.inputs]
+            call = lambda xs, b=block: b(xs, training=True)  # noqa: E731
+            state = [(v, v.numpy()) for v in block.variables]
+            timings.append(time_unit(call, inputs, block.trainable_variables))
+            for variable, value in state:
+                variable.assign(value)
+        return timings
 
     def pieces(self, bounds: list[tuple[int, int]]) -> list:
         key = tuple(bounds)
@@ -123,3 +148,11 @@ class GraphPlan:
             self.split.bounds_at(names, n_stages)
         else:
             self.split.check(n_stages)
+
+
+def _stand_in(tensor, samples: int):
+    """A value of a symbolic tensor's per-example shape and dtype, for timing."""
+    shape = (samples, *(int(d) for d in tensor.shape[1:]))
+    if np.dtype(str(tensor.dtype)).kind == "f":
+        return tf.random.normal(shape, dtype=str(tensor.dtype))
+    return tf.ones(shape, dtype=str(tensor.dtype))

@@ -49,16 +49,13 @@ def _elements(spec, seed: int) -> list[dict]:
 def _element_seconds(spec, batch: int, seed: int) -> list[dict]:
     """Each element's F, B, BI and BW seconds as fixed + per sample, timed as the executor's
     time partition times them (so the planner splits the model where the executor will)."""
-    from ringtrain.pipeline.engine import time_element
+    from ringtrain.pipeline.ir import COMPUTE
+    from ringtrain.pipeline.split import ElementPlan
 
-    shapes = spec.shapes()
-    found = []
-    for i in range(len(spec)):
-        element = spec.build([i], seed)[0]
-        at = {n: time_element(element, (n, *shapes[i])) for n in _sample_counts(batch)}
-        ops = next(iter(at.values()))
-        found.append({op: fit_line({n: at[n][op] for n in at}) for op in ops})
-    return found
+    plan = ElementPlan(spec, seed)
+    at = {n: plan.unit_seconds(n) for n in _sample_counts(batch)}
+    units = range(plan.n_units)
+    return [{op: fit_line({n: at[n][i][op] for n in at}) for op in COMPUTE} for i in units]
 
 
 def _stage_ranges(spec, optimizer_name: str, batch: int, seed: int, tf) -> list[dict]:
