@@ -318,8 +318,10 @@ KERAS_ZOO = {  # model -> (data, examples: fewer than S*B make a partial, uneven
     "frozen_finetune": ("digits", KERAS_BATCH * KERAS_STEPS),
     "bn_cnn": ("digits", KERAS_BATCH * KERAS_STEPS),
     "residual_cnn_nesterov": ("digits", KERAS_BATCH * KERAS_STEPS - 10),
+    "two_heads": ("digits_and_parity", KERAS_BATCH * KERAS_STEPS - 10),
 }
-GRID_MODELS = [m for m in KERAS_ZOO if m != "residual_cnn_nesterov"]
+EXTRA = ("residual_cnn_nesterov", "two_heads")  # not under every strategy
+GRID_MODELS = [m for m in KERAS_ZOO if m not in EXTRA]
 
 
 def keras_grid(world_size: int) -> list[TrainConfig]:
@@ -334,8 +336,9 @@ def keras_grid(world_size: int) -> list[TrainConfig]:
         4: [dict(strategy="hybrid", pp_size=2, schedule="1f1b", microbatches=4)],
     }.get(world_size, [])
     grid = [replace(base, model=m, **r) for r in runs for m in GRID_MODELS]
-    if world_size == 2:  # the CNN with SGD + Nesterov momentum too; BERT in four stages
+    if world_size == 2:  # the CNN with SGD + Nesterov momentum too; BERT in four stages;
         grid += [replace(base, model="residual_cnn_nesterov", **r) for r in runs[:2]]
+        grid.append(replace(base, model="two_heads", **runs[0]))  # loss_weights, data parallel
         four = dict(schedule="interleaved", virtual_stages=2, microbatches=4)
         grid.append(replace(base, model="bert_classifier", strategy="pipeline", **four))
     return grid
@@ -352,7 +355,7 @@ def keras_check(cfg: TrainConfig, world: runtime.World, sets: dict) -> dict:
 
     data_name, n = KERAS_ZOO[cfg.model]
     x, y = getattr(user_models, data_name)()
-    x, y = first_examples(x, n), y[:n]
+    x, y = first_examples(x, n), first_examples(y, n)
     build = getattr(user_models, cfg.model)
     keras.utils.set_random_seed(cfg.seed)
     model = build()

@@ -56,6 +56,24 @@ def residual_cnn_nesterov() -> keras.Model:
     return residual_cnn("nesterov")
 
 
+def two_heads() -> keras.Model:
+    """Two outputs, each with its own loss, weighted by loss_weights (and a metric on one)."""
+    pixels = keras.Input(DIGITS_SHAPE, name="pixels")
+    x = keras.layers.Conv2D(8, 3, padding="same", activation="relu", name="conv")(pixels)
+    x = keras.layers.GlobalAveragePooling2D(name="pool")(x)
+    digit = keras.layers.Dense(DIGITS_CLASSES, name="digit")(x)
+    parity = keras.layers.Dense(2, name="parity")(x)
+    model = keras.Model(pixels, {"digit": digit, "parity": parity}, name="two_heads")
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3),
+        loss={"digit": loss, "parity": loss},
+        loss_weights={"digit": 1.0, "parity": 0.3},
+        metrics={"digit": ["accuracy"]},
+    )
+    return model
+
+
 def bn_cnn() -> keras.Model:
     """BatchNormalization: its batch statistics depend on how many examples share a forward
     pass, and its moving averages are weights that no gradient updates."""
@@ -144,6 +162,12 @@ def digits(n: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     found = load_digits()
     x = (found.data / 16.0).astype(np.float32).reshape(-1, *DIGITS_SHAPE)
     return x[:n], found.target.astype(np.int32)[:n]
+
+
+def digits_and_parity(n: int | None = None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """The digits with two targets: the digit, and whether it is odd."""
+    x, y = digits(n)
+    return x, {"digit": y, "parity": y % 2}
 
 
 def digits_split() -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
