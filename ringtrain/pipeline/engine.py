@@ -10,6 +10,9 @@ By default a forward runs under an eager GradientTape that records the call of t
 compiled function: the tape keeps that function's intermediates, and the backward runs the
 compiled gradient without redoing the forward. `--recompute` keeps only the stage's input and
 redoes the forward inside the backward, trading compute for activation memory.
+
+Its neighbours hold the other jobs: a stage's pieces and codecs (stage.py), what stages are
+cut from (split.py), the partition and its profiling (profile.py), the report (report.py).
 """
 
 from __future__ import annotations
@@ -29,13 +32,11 @@ from ringtrain.dataparallel.collectives import average_gradients
 from ringtrain.evaluate import CHUNK
 from ringtrain.models import ModelSpec
 from ringtrain.optim import LearningRate
+from ringtrain.pipeline import report
 from ringtrain.pipeline.calibrate import (
-    calibration_steps,
     measure_link,
-    stage_seconds,
-    step_actions,
 )
-from ringtrain.pipeline.costs import FREE_LINK, predict_from_steps
+from ringtrain.pipeline.costs import FREE_LINK
 from ringtrain.pipeline.grid import Grid
 from ringtrain.pipeline.ir import Action, Op, Tensor, carries, consumes, produces
 from ringtrain.pipeline.lower import send_when_made
@@ -46,15 +47,10 @@ from ringtrain.pipeline.split import ElementPlan
 from ringtrain.pipeline.tags import message_tag
 from ringtrain.pipeline.trace import (
     Trace,
-    measured_bubble,
-    measured_step_seconds,
-    timeline,
-    write_chrome_trace,
 )
 from ringtrain.progress import progress_ticker
 from ringtrain.runtime import World
 from ringtrain.tensorflow_loader import tf
-from ringtrain.weights import replica_checksums
 
 LOSS, WEIGHTS = 0, 1  # tags on the world communicator; pipeline tags are tags.message_tag's
 KINDS = {"ACT": 0, "GRAD": 1}
@@ -513,64 +509,10 @@ class PipelineEngine(Checkpointable):
         return "stage" + "+".join(map(str, self.local_stages))
 
     def epoch_scalars(self) -> dict[str, float]:
-        """The bubble measured over this epoch's steps (collective: rank 0 gets the value).
-        The process's first step is left out, as in the run's figure: it includes tracing."""
-        rows = self.trace.gather(self.world.comm, since=self.epoch_start)
-        first, self.epoch_start = self.epoch_start, self.step_index
-        if rows is None:
-            return {}
-        return {"bubble_measured": measured_bubble(rows, self.pp_size, skip_first=first == 0)}
+        return report.epoch_scalars(self)
 
     def prediction(self, rows: np.ndarray, steps: list[int]) -> tuple[SimResult, dict]:
-        """The schedule replayed with this run's calibration (each of `steps` of a gathered
-        trace with its own actions' times, and the link model), and that calibration as a
-        report: the median per (stage, op), which `ringtrain plan` reads."""
-        measured = step_actions(rows, steps, self.pp_size)
-        predicted = predict_from_steps(
-            self.schedule, measured, self.link_model, self.boundary_bytes
-        )
-        seconds = stage_seconds(rows, steps)
-        return predicted, {
-            "steps": steps,
-            "seconds": {f"{s}{op}": v for (s, op), v in seconds.items()},
-            "link": self.link_model.to_json(),
-            "boundary_bytes": self.boundary_bytes,
-            "elements": self.element_seconds,
-        }
+        return report.prediction(self, rows, steps)
 
     def extra_metrics(self) -> dict:
-        rows = self.trace.gather(self.world.comm)
-        peaks = np.zeros(self.world.size, np.int64)
-        self.world.comm.Allgather(np.array([self.peak_inflight], np.int64), peaks)
-        checksums = replica_checksums(self.world.comm, self.variables)
-        if rows is None:
-            return {}
-        title = f"{self.schedule.kind} P={self.pp_size} M={self.cfg.microbatches}"
-        steps = calibration_steps(1, self.step_index - 1) if self.step_index > 1 else [0]
-        predicted, calibration = self.prediction(rows, steps)
-        if self.cfg.trace:
-            write_chrome_trace(rows, self.pp_size, self.cfg.trace)
-        if self.cfg.gantt:
-            from ringtrain.pipeline.gantt import draw_panels
-
-            measured = timeline(rows, self.pp_size, self.step_index - 1)
-            panels = [(f"{title}: predicted", predicted.timeline), (f"{title}: measured", measured)]
-            draw_panels(panels, self.cfg.gantt)
-        return {
-            "schedule": self.cfg.schedule,
-            "microbatches": self.cfg.microbatches,
-            "pp_size": self.pp_size,
-            "stages": self.n_stages,
-            "stage_ranks": list(self.schedule.stage_ranks),
-            "recompute": self.cfg.recompute,
-            "dp_size": self.dp_size,
-            "partition": [list(b) for b in self.bounds],
-            "bubble_measured": measured_bubble(rows, self.pp_size),
-            "bubble_predicted": predicted.bubble,
-            "bubble_predicted_unit_costs": self.predicted.bubble,
-            "step_time_measured": measured_step_seconds(rows),
-            "step_time_predicted": predicted.makespan,
-            "calibration": calibration,
-            "peak_inflight": peaks.tolist(),
-            "replica_checksums": checksums,
-        }
+        return report.run_metrics(self)
