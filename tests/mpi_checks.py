@@ -338,7 +338,7 @@ def keras_grid(world_size: int) -> list[TrainConfig]:
     grid = [replace(base, model=m, **r) for r in runs for m in GRID_MODELS]
     if world_size == 2:  # the CNN with SGD + Nesterov momentum too; BERT in four stages;
         grid += [replace(base, model="residual_cnn_nesterov", **r) for r in runs[:2]]
-        grid.append(replace(base, model="two_heads", **runs[0]))  # loss_weights, data parallel
+        grid += [replace(base, model="two_heads", **r) for r in runs[:2]]  # loss_weights
         four = dict(schedule="interleaved", virtual_stages=2, microbatches=4)
         grid.append(replace(base, model="bert_classifier", strategy="pipeline", **four))
     return grid
