@@ -57,7 +57,9 @@ def test_cli_hybrid_matches_the_independent_reference(tmp_path, cli_reference):
 def test_last_stage_allreduce_starts_while_stage_0_still_runs_its_last_backward(tmp_path):
     """No barrier before the replica allreduce: the trace shows it overlapping stage 0's work.
     Microbatches of 128 transformer examples make that backward last far longer than the
-    scheduling noise of 4 ranks on 2 cores; the claim is checked in most steps after the first."""
+    scheduling noise of 4 ranks on 2 cores. A barrier would forbid the overlap in every step;
+    on a loaded machine (4 ranks on 2 cores) some steps lose it to scheduling alone, so the
+    claim is that it shows in at least a quarter of the 8 steps after the first."""
     trace = tmp_path / "t.json"
     done = ringtrain(
         "train",
@@ -72,7 +74,7 @@ def test_last_stage_allreduce_starts_while_stage_0_still_runs_its_last_backward(
         "--microbatches",
         "2",
         "--steps",
-        "5",
+        "9",
         "--trace",
         str(trace),
         ranks=4,
@@ -80,14 +82,14 @@ def test_last_stage_allreduce_starts_while_stage_0_still_runs_its_last_backward(
     assert done.returncode == 0, done.stderr[-2000:]
     events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["pid"] == 0]
     overlapping = 0
-    for step in range(1, 5):
+    for step in range(1, 9):
         mine = [e for e in events if e["args"]["step"] == step]
         allreduce = min(e["ts"] for e in mine if e["tid"] == 1 and e["name"] == "ALLREDUCE")
         backward_end = max(
             e["ts"] + e["dur"] for e in mine if e["tid"] == 0 and e["name"].startswith("0B")
         )
         overlapping += allreduce < backward_end
-    assert overlapping >= 3, overlapping
+    assert overlapping >= 2, overlapping
 
 
 @pytest.mark.parametrize(
