@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ringtrain.errors import UserError
+from ringtrain.keras_model.compiled import base_learning_rate, receive_weights
 from ringtrain.tensorflow_loader import tf  # noqa: F401  (before Keras)
 
 # isort: split
@@ -90,8 +91,6 @@ class EpochCallbacks:
     def epoch_end(self, epoch: int, logs: dict, engine, comm) -> bool:
         """Run the epoch-end callbacks; True when one of them stops training (on every rank)."""
         if getattr(engine, "pp_size", 1) > 1:  # rank 0's model has only its own stages' weights
-            from ringtrain.keras_model.compiled import receive_weights
-
             weights = engine.gather_weights()
             if weights is not None:
                 receive_weights(self.model, weights)
@@ -112,6 +111,4 @@ class EpochCallbacks:
         return bool(shared[0])
 
     def _rate(self) -> float:
-        from ringtrain.keras_model.compiled import base_learning_rate
-
         return base_learning_rate(self.model.optimizer) or 0.0

@@ -17,7 +17,7 @@ from ringtrain.models import ModelSpec
 from ringtrain.optim import make_optimizer
 from ringtrain.pipeline.ir import Op, Tensor
 from ringtrain.pipeline.profile import time_unit
-from ringtrain.pipeline.stage import FloatCodec, KerasStage, Stage
+from ringtrain.pipeline.stage import FloatCodec, KerasStage, Stage, is_float
 from ringtrain.tensorflow_loader import tf
 
 
@@ -153,6 +153,6 @@ class GraphPlan:
 def _stand_in(tensor, samples: int):
     """A value of a symbolic tensor's per-example shape and dtype, for timing."""
     shape = (samples, *(int(d) for d in tensor.shape[1:]))
-    if np.dtype(str(tensor.dtype)).kind == "f":
+    if is_float(tensor.dtype):
         return tf.random.normal(shape, dtype=str(tensor.dtype))
     return tf.ones(shape, dtype=str(tensor.dtype))

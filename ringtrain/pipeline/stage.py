@@ -127,8 +127,8 @@ class KerasStage(Stage):
         super().__init__(index, n_stages, [], microbatches)
         self.variables = list(piece.trainable_variables)
         self.weights = list(piece.weights)
-        self.float_inputs = [i for i, t in enumerate(piece.inputs) if _is_float(t.dtype)]
-        self.float_outputs = [i for i, t in enumerate(piece.outputs) if _is_float(t.dtype)]
+        self.float_inputs = [i for i, t in enumerate(piece.inputs) if is_float(t.dtype)]
+        self.float_outputs = [i for i, t in enumerate(piece.outputs) if is_float(t.dtype)]
         self.output = tf.function(self._output, reduce_retracing=True)
         self.recompute = tf.function(self._recompute, reduce_retracing=True)
 
@@ -166,11 +166,12 @@ class KerasStage(Stage):
     def codecs_of(piece) -> tuple[PackedCodec, PackedCodec]:
         """(what a piece sends downstream, the gradient it sends upstream: its float inputs')."""
         outs = [(_per_example(t), t.dtype) for t in piece.outputs]
-        grads = [(_per_example(t), t.dtype) for t in piece.inputs if _is_float(t.dtype)]
+        grads = [(_per_example(t), t.dtype) for t in piece.inputs if is_float(t.dtype)]
         return PackedCodec(outs), PackedCodec(grads)
 
 
-def _is_float(dtype) -> bool:
+def is_float(dtype) -> bool:
+    """Whether a tensor of this dtype carries gradients across a cut."""
     return np.dtype(str(dtype)).kind == "f"
 
 
