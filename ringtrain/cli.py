@@ -28,7 +28,12 @@ from ringtrain.errors import (
     alike_on_every_rank,
     report,
 )
-from ringtrain.keras_model.source import check_target, load_function, parse_arguments
+from ringtrain.keras_model.source import (
+    add_source_arguments,
+    build_user_model,
+    check_source_flags,
+    load_user_data,
+)
 
 PROG = "ringtrain"
 QUIET_RANK_GRACE_S = 10  # ample for rank 0 to print its line, even on a loaded node
@@ -72,19 +77,7 @@ def add_train_command_arguments(p: argparse.ArgumentParser) -> None:
     add_train_arguments(p)
     # Absent unless typed, so a compiled model can refuse them even at their default value.
     p.set_defaults(**dict.fromkeys(USER_MODEL_REFUSES))
-    p.add_argument(
-        "--model-arg",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="an argument for --model FUNCTION: VALUE as a Python literal, else as text",
-    )
-    p.add_argument(
-        "--data",
-        metavar="PATH.py:FUNCTION",
-        help="your own data for --model FUNCTION: FUNCTION returns (x, y) or "
-        "((x, y), (x_val, y_val)) as numpy arrays (instead of --dataset)",
-    )
+    add_source_arguments(p)
 
 
 def typed_flags(args: argparse.Namespace) -> set[str]:
@@ -148,66 +141,21 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def _check_user_flags(args: argparse.Namespace, cfg: TrainConfig) -> None:
-    """--model-arg and --data go with --model FUNCTION; --data replaces --dataset."""
-    if not is_model_function(cfg.model):
-        for flag, value in (("--model-arg", args.model_arg), ("--data", args.data)):
-            if value:
-                raise UserError(f"{flag} needs --model PATH.py:FUNCTION, your own model")
-    else:
-        check_target("--model", cfg.model)
-    if args.data:
-        check_target("--data", args.data)
-    if args.data and cfg.dataset != TrainConfig.dataset:
-        raise UserError("give either --data or --dataset, not both")
+    check_source_flags(cfg.model, args.model_arg, args.data, cfg.dataset)
     if cfg.save and not is_model_function(cfg.model):
         raise UserError("--save writes a --model FUNCTION's model; built-ins have --weights-out")
-    parse_arguments(args.model_arg)
 
 
 def _train_user_model(args: argparse.Namespace, cfg: TrainConfig, me, wait_for: float):
-    """Load the user's data on every rank (agreed), then build their model after seeding, so
-    `keras.utils.set_random_seed(seed); build()` anywhere gives the run's initial weights."""
-    data = _agreed(lambda: _user_data(args, cfg), me, wait_for)
+    """Load the user's data on every rank (agreed), then build their model after seeding."""
+    data = _agreed(lambda: load_user_data(args.data, cfg), me, wait_for)
     from ringtrain import runtime
     from ringtrain.api import train_keras
-    from ringtrain.keras_model.compiled import check_compiled
-    from ringtrain.tensorflow_loader import tf  # noqa: F401  (before Keras)
-
-    # isort: split
-    import keras
 
     runtime.init()  # before the user's code runs a TensorFlow op
     with alike_on_every_rank(me.rank):  # the same files on every node: the same verdict
-        build = load_function("--model", cfg.model)
-        keras.utils.set_random_seed(cfg.seed)
-        model = build(**parse_arguments(args.model_arg))
-        check_compiled(model, f"--model {cfg.model}")
+        model = build_user_model(cfg.model, args.model_arg, cfg.seed)
     return train_keras(model, data, cfg, typed_flags(args))
-
-
-def _user_data(args: argparse.Namespace, cfg: TrainConfig):
-    """--data FUNCTION's arrays, or a --dataset's, with its held-out part for validation."""
-    from ringtrain.data import Examples, UserData, load_dataset
-
-    check_paths(cfg)
-    if args.data is None:
-        found = load_dataset(cfg.dataset, cfg.seed, cfg.synthetic_size, cfg.synthetic_shape)
-        return UserData(Examples(found.x, found.y), Examples(found.x_test, found.y_test))
-    from ringtrain import tensorflow_loader  # noqa: F401  (before the user's Keras import)
-
-    returned = load_function("--data", args.data)()
-    if (
-        isinstance(returned, tuple)
-        and len(returned) == 2
-        and all(isinstance(part, tuple) and len(part) == 2 for part in returned)
-    ):
-        return UserData(Examples(*returned[0]), Examples(*returned[1]))
-    if isinstance(returned, tuple) and len(returned) == 2:
-        return UserData(Examples(*returned))
-    raise UserError(
-        f"--data {args.data} returned {type(returned).__name__}; expected (x, y) or "
-        "((x, y), (x_val, y_val))"
-    )
 
 
 def _finished(cfg: TrainConfig, result) -> int:

@@ -4,6 +4,7 @@ its bad inputs in one line each, and one calibration checked against the clock."
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,6 +15,8 @@ from ringtrain.pipeline.costs import FREE_LINK, LinkModel, MeasuredCurve
 from ringtrain.plan import costmodel
 from ringtrain.plan.cli import fingerprint
 from ringtrain.plan.costmodel import Calibration, Candidate, ElementCost
+
+USER_MODEL, USER_DATA = "tests/user_models.py:residual_cnn", "tests/user_models.py:digits_split"
 
 MS = 1e-3
 # An executor reference run that cost nothing beyond compute and added no memory.
@@ -234,14 +237,49 @@ def test_plan_prints_the_table_and_one_command_and_json_gives_the_same(tmp_path)
         (["--optimizer", "adam"], {}, "calibrated with optimizer 'sgd', not 'adam'"),
         (["--batch-size", "0"], {}, "--batch-size must be at least 1"),
         (["--model", "resnet"], {}, "unknown model 'resnet'; choose one of mlp"),
+        (
+            ["--model", USER_MODEL, "--optimizer", "sgd"],
+            {},
+            "--optimizer does not apply to a compiled model",
+        ),
+        (["--model-arg", "units=3"], {}, "--model-arg needs --model PATH.py:FUNCTION"),
+        (["--model", USER_MODEL, "--data", USER_DATA, "--dataset", "synthetic"], {}, "not both"),
+        (
+            ["--model", USER_MODEL, "--model-arg", "optimizer='sgd'"],
+            {"model": USER_MODEL, "optimizer": "compiled"},
+            f"calibrated for model '{USER_MODEL}' on 'digits', not",
+        ),
     ],
 )
 def test_bad_plan_inputs_say_one_line(tmp_path, flags, changes, needle):
-    flags = flags if "--optimizer" in flags else [*flags, "--optimizer", "sgd"]
+    if "--optimizer" not in flags and USER_MODEL not in flags:
+        flags = [*flags, "--optimizer", "sgd"]
     stamp = {**fingerprint(), **{k: v for k, v in changes.items() if k == "cpu_model"}}
     rest = {k: v for k, v in changes.items() if k != "cpu_model"}
     path = _calibration_file(tmp_path, fingerprint=stamp, **rest)
     one_line_error(ringtrain("plan", "--calibration", str(path), *flags), needle)
+
+
+def test_plan_calibrates_a_users_model_and_its_recommended_line_trains_it(tmp_path):
+    """`plan calibrate --model FUNCTION --data FUNCTION` measures the user's graph (its blocks
+    between valid cuts are the units a pipeline groups), and `plan` recommends a line that
+    names the same model, arguments and data, and runs."""
+    path = tmp_path / "calibration.json"
+    source = ["--model", USER_MODEL, "--model-arg", "optimizer=nesterov", "--data", USER_DATA]
+    flags = [*source, "--batch-size", "64", "--calibration", str(path)]
+    done = ringtrain("plan", "calibrate", *flags)
+    assert done.returncode == 0, done.stderr[-3000:]
+    doc = json.loads(path.read_text())
+    assert doc["model"] == f"{USER_MODEL} optimizer=nesterov" and doc["dataset"] == USER_DATA
+    assert doc["optimizer"] == "compiled" and doc["optimizer_slots"] == 1.0  # SGD's momentum
+    assert len(doc["elements"]) >= 3 and all("seconds" in e for e in doc["elements"])
+    table = json.loads(ringtrain("plan", *flags, "--json").stdout)
+    assert any(row["stages"] == 2 for row in table["candidates"])
+    recommended = shlex.split(table["recommended"])
+    assert recommended[:5] == ["mpirun", "-np", "2", "ringtrain", "train"]
+    assert recommended[5:11] == source
+    ran = ringtrain(*recommended[4:], "--steps", "3", ranks=2)
+    assert ran.returncode == 0, ran.stderr[-3000:]
 
 
 def test_an_unreadable_calibration_file_says_so(tmp_path):

@@ -21,7 +21,7 @@ from statistics import median
 from ringtrain import log
 from ringtrain.bounded import run_bounded
 from ringtrain.launch.mpirun import host_flags, mpi_env
-from ringtrain.plan.cli import calibrate, in_sample, load_calibration, two_ranks
+from ringtrain.plan.cli import Planned, calibrate, in_sample, load_calibration, two_ranks
 from ringtrain.plan.costmodel import plan
 
 DATASET, OPTIMIZER = "digits", "adam"
@@ -92,10 +92,9 @@ def _round(
     calibration taken beside the runs it predicts, as a user would calibrate before a job."""
     path = str(folder / f"{model}-{index}.json")
     log.info(f"{model} round {index + 1}/{args.rounds}: calibrating ...")
-    doc = calibrate(model, DATASET, OPTIMIZER, args.batch_size, args.hosts, path)
-    table = plan(
-        load_calibration(path, model, DATASET, OPTIMIZER), nodes, per_node, args.batch_size
-    )
+    planned = Planned(model, DATASET, OPTIMIZER)
+    doc = calibrate(planned, args.batch_size, args.hosts, path)
+    table = plan(load_calibration(path, planned), nodes, per_node, args.batch_size)
     base = ["--model", model, "--dataset", DATASET, "--optimizer", OPTIMIZER]
     base += ["--batch-size", str(args.batch_size)]
     measured = {}

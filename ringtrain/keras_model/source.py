@@ -7,6 +7,7 @@ one line; an exception inside the user's own code is theirs, and keeps its trace
 
 from __future__ import annotations
 
+import argparse
 import ast
 import importlib
 import importlib.util
@@ -15,6 +16,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ringtrain.config import TrainConfig, check_paths, is_model_function
 from ringtrain.errors import UserError
 
 
@@ -73,3 +75,86 @@ def parse_arguments(pairs: Sequence[str]) -> dict[str, Any]:
         except (ValueError, SyntaxError):
             arguments[key] = text
     return arguments
+
+
+def add_source_arguments(p: argparse.ArgumentParser) -> None:
+    """--model-arg and --data, the flags that go with --model FUNCTION (train and plan)."""
+    p.add_argument(
+        "--model-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an argument for --model FUNCTION: VALUE as a Python literal, else as text",
+    )
+    p.add_argument(
+        "--data",
+        metavar="PATH.py:FUNCTION",
+        help="your own data for --model FUNCTION: FUNCTION returns (x, y) or "
+        "((x, y), (x_val, y_val)) as numpy arrays (instead of --dataset)",
+    )
+
+
+def check_source_flags(
+    model: str, model_args: Sequence[str], data: str | None, dataset: str
+) -> None:
+    """--model-arg and --data go with --model FUNCTION; --data replaces --dataset."""
+    if not is_model_function(model):
+        for flag, value in (("--model-arg", model_args), ("--data", data)):
+            if value:
+                raise UserError(f"{flag} needs --model PATH.py:FUNCTION, your own model")
+    else:
+        check_target("--model", model)
+    if data:
+        check_target("--data", data)
+    if data and dataset != TrainConfig.dataset:
+        raise UserError("give either --data or --dataset, not both")
+    parse_arguments(model_args)
+
+
+def source_flags(model: str, model_args: Sequence[str], data: str | None, dataset: str) -> list:
+    """The flags that name a user's model and its data again, for a command line to print."""
+    flags = ["--model", model]
+    for pair in model_args:
+        flags += ["--model-arg", pair]
+    return flags + (["--data", data] if data else ["--dataset", dataset])
+
+
+def load_user_data(target: str | None, cfg: TrainConfig):
+    """--data FUNCTION's arrays, or a --dataset's, with its held-out part for validation."""
+    from ringtrain.data import Examples, UserData, load_dataset
+
+    check_paths(cfg)
+    if target is None:
+        found = load_dataset(cfg.dataset, cfg.seed, cfg.synthetic_size, cfg.synthetic_shape)
+        return UserData(Examples(found.x, found.y), Examples(found.x_test, found.y_test))
+    from ringtrain import tensorflow_loader  # noqa: F401  (before the user's Keras import)
+
+    returned = load_function("--data", target)()
+    if (
+        isinstance(returned, tuple)
+        and len(returned) == 2
+        and all(isinstance(part, tuple) and len(part) == 2 for part in returned)
+    ):
+        return UserData(Examples(*returned[0]), Examples(*returned[1]))
+    if isinstance(returned, tuple) and len(returned) == 2:
+        return UserData(Examples(*returned))
+    raise UserError(
+        f"--data {target} returned {type(returned).__name__}; expected (x, y) or "
+        "((x, y), (x_val, y_val))"
+    )
+
+
+def build_user_model(target: str, model_args: Sequence[str], seed: int):
+    """The compiled model --model FUNCTION returns, built after seeding, so
+    `keras.utils.set_random_seed(seed); build()` anywhere gives the run's initial weights."""
+    from ringtrain.keras_model.compiled import check_compiled
+    from ringtrain.tensorflow_loader import tf  # noqa: F401  (before Keras)
+
+    # isort: split
+    import keras
+
+    build = load_function("--model", target)
+    keras.utils.set_random_seed(seed)
+    model = build(**parse_arguments(model_args))
+    check_compiled(model, f"--model {target}")
+    return model

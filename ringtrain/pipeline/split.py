@@ -41,15 +41,23 @@ class ElementPlan:
             counts.append(float(sum(int(np.prod(v.shape)) for v in element.trainable_weights)))
         return counts
 
+    def boundary_words(self) -> list[float]:
+        """Per example, 4-byte words entering each element, then leaving the last."""
+        return [float(np.prod(shape)) for shape in self.shapes]
+
     def unit_seconds(self, samples: int) -> list[dict[Op, float]]:
         """Each element's F, B, BI and BW on `samples` examples, built alone and dropped."""
         timings = []
         for i in range(len(self.spec)):
             element = self.spec.build([i], self.seed)[0]
-            x = tf.random.normal((samples, *self.shapes[i]))
+            x = self.stand_in([(i, i + 1)], 0, samples)
             call = lambda xs, e=element: e(xs[0])  # noqa: E731
             timings.append(time_unit(call, [x], element.trainable_weights))
         return timings
+
+    def stand_in(self, bounds: list[tuple[int, int]], s: int, samples: int):
+        """An input of stage s's shape, for timing it alone."""
+        return tf.random.normal((samples, *self.shapes[bounds[s][0]]))
 
     def build(self, s: int, bounds: list[tuple[int, int]], microbatches: int) -> Stage:
         elements = self.spec.build(range(*bounds[s]), self.seed)
@@ -94,20 +102,43 @@ class GraphPlan:
     def unit_params(self) -> list[float]:
         return [float(block.params) for block in self.split.blocks]
 
+    def boundary_words(self) -> list[float]:
+        """Per example, 4-byte words crossing into each block (a mask with the hidden states),
+        then the model's outputs."""
+        split, n = self.split, self.n_units
+        crossing = [
+            split.flat.inputs
+            if i == 0
+            else split.flat.outputs
+            if i == n
+            else split.crossing(split.block_starts[i])
+            for i in range(n + 1)
+        ]
+        return [
+            sum(float(np.prod(t.shape[1:])) * np.dtype(str(t.dtype)).itemsize / 4 for t in ts)
+            for ts in crossing
+        ]
+
     def unit_seconds(self, samples: int) -> list[dict[Op, float]]:
         """Each block's F, B, BI and BW on `samples` examples, as a one-block stage model on
         stand-in inputs: normal floats, and ones for integer inputs (token ids, masks). The
         state a training forward moves (BatchNormalization's moving statistics, dropout's
         seed) is put back, so timing leaves the run's weights as they were."""
         timings = []
-        for block in self.pieces([(i, i + 1) for i in range(self.n_units)]):
-            inputs = [_stand_in(t, samples) for t in block.inputs]
+        bounds = [(i, i + 1) for i in range(self.n_units)]
+        for i, block in enumerate(self.pieces(bounds)):
+            inputs = list(self.stand_in(bounds, i, samples))
             call = lambda xs, b=block: b(xs, training=True)  # noqa: E731
             state = [(v, v.numpy()) for v in block.variables]
             timings.append(time_unit(call, inputs, block.trainable_variables))
             for variable, value in state:
                 variable.assign(value)
         return timings
+
+    def stand_in(self, bounds: list[tuple[int, int]], s: int, samples: int) -> tuple:
+        """Values of stage s's input tensors' shapes and dtypes, for timing it alone: normal
+        floats, and ones for integer inputs (token ids, masks)."""
+        return tuple(_stand_in(t, samples) for t in self.pieces(bounds)[s].inputs)
 
     def pieces(self, bounds: list[tuple[int, int]]) -> list:
         key = tuple(bounds)

@@ -13,14 +13,17 @@ import argparse
 import json
 import os
 import re
+import shlex
 import tempfile
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ringtrain.bounded import RunFailed, run_bounded
-from ringtrain.config import TrainConfig, add_train_arguments, check_values
+from ringtrain.config import TrainConfig, add_train_arguments, check_values, is_model_function
 from ringtrain.errors import UserError
+from ringtrain.keras_model.source import add_source_arguments, check_source_flags, source_flags
 from ringtrain.launch.mpirun import host_flags, mpi_env, mpirun_command
 from ringtrain.machine import machine_facts
 from ringtrain.pipeline.costs import LinkModel, MeasuredCurve
@@ -37,6 +40,7 @@ DEFAULT_CALIBRATION = "calibration.json"
 FINGERPRINT_KEYS = ("cpu_model", "cpus", "tensorflow", "horovod")
 # train's flags that plan takes: what it plans for.
 PLANNED_FLAGS = ("model", "dataset", "optimizer", "batch_size")
+COMPILED = "compiled"  # a user's model brings its optimizer: what its calibration records
 SIZE = re.compile(r"^(\d+(?:\.\d+)?)([KMGT]?)(i?B)?$", re.IGNORECASE)
 
 
@@ -61,6 +65,8 @@ def _positive(text: str) -> int:
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", nargs="?", choices=["calibrate"], help="measure instead of plan")
     add_train_arguments(p, PLANNED_FLAGS)  # declared once, with train's defaults and help
+    add_source_arguments(p)
+    p.set_defaults(optimizer=None)  # absent unless typed: a compiled model refuses it
     p.add_argument("--nodes", type=_positive, default=1)
     p.add_argument("--ranks-per-node", type=_positive, default=2)
     p.add_argument("--memory-per-rank", type=_bytes, help="bytes a rank may hold (e.g. 2G)")
@@ -74,17 +80,65 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hosts", help="calibrate: two hosts a,b for the across-node links")
 
 
+@dataclass(frozen=True)
+class Planned:
+    """What a plan is for: a built-in model on a dataset with an optimizer, or a user's
+    --model FUNCTION (with its arguments) on --data or a dataset, with its compiled optimizer."""
+
+    model: str
+    dataset: str
+    optimizer: str
+    data: str | None = None
+    model_args: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> Planned:
+        """From plan's flags, each checked as train checks it."""
+        check_source_flags(args.model, args.model_arg, args.data, args.dataset)
+        optimizer = args.optimizer
+        if is_model_function(args.model):
+            if optimizer is not None:
+                raise UserError("--optimizer does not apply to a compiled model")
+            optimizer = COMPILED
+        else:
+            optimizer = optimizer or TrainConfig.optimizer
+        planned = cls(args.model, args.dataset, optimizer, args.data, tuple(args.model_arg))
+        check_values(
+            TrainConfig(
+                model=args.model,
+                dataset=args.dataset,
+                batch_size=args.batch_size,
+                optimizer=TrainConfig.optimizer if optimizer == COMPILED else optimizer,
+            )
+        )
+        return planned
+
+    @property
+    def name(self) -> str:
+        """The model as a calibration names it: with its --model-arg values."""
+        return " ".join((self.model, *self.model_args))
+
+    @property
+    def data_name(self) -> str:
+        return self.data or self.dataset
+
+    def flags(self) -> list[str]:
+        """train's flags that say what is trained, as `plan` was given them."""
+        flags = source_flags(self.model, self.model_args, self.data, self.dataset)
+        return flags + ([] if self.optimizer == COMPILED else ["--optimizer", self.optimizer])
+
+
 def run_plan_command(args: argparse.Namespace) -> int:
-    check_values(TrainConfig(**{name: getattr(args, name) for name in PLANNED_FLAGS}))
+    planned = Planned.of(args)
     path = args.calibration or DEFAULT_CALIBRATION
     if args.action == "calibrate" or (args.calibration is None and not Path(path).exists()):
         if args.action != "calibrate":
             print(f"no {path} here: calibrating this node first", flush=True)
-        calibrate(args.model, args.dataset, args.optimizer, args.batch_size, args.hosts, path)
+        calibrate(planned, args.batch_size, args.hosts, path)
         print(f"wrote {path}")
         if args.action == "calibrate":
             return 0
-    cal = load_calibration(path, args.model, args.dataset, args.optimizer, args.force)
+    cal = load_calibration(path, planned, args.force)
     grid = _grid(args.grid, args.nodes * args.ranks_per_node)
     table = plan(cal, args.nodes, args.ranks_per_node, args.batch_size, args.memory_per_rank)
     if grid:
@@ -92,7 +146,7 @@ def run_plan_command(args: argparse.Namespace) -> int:
     if not table:
         raise UserError(f"no configuration divides the global batch {args.batch_size}")
     best = next((p for p in table if p.fits and not p.candidate.fp16_allreduce), None)
-    command = _command(args, best) if best else None
+    command = _command(planned, args, best) if best else None
     if args.json:
         rows = [p.to_json() for p in table]
         print(json.dumps({"candidates": rows, "recommended": command}, indent=1))
@@ -118,13 +172,10 @@ def _grid(text: str | None, ranks: int) -> tuple[int, int] | None:
     return d, p
 
 
-def _command(args: argparse.Namespace, best: Prediction) -> str:
+def _command(planned: Planned, args: argparse.Namespace, best: Prediction) -> str:
     ranks = args.nodes * args.ranks_per_node
-    flags = [
-        *["--model", args.model, "--dataset", args.dataset, "--optimizer", args.optimizer],
-        *["--batch-size", str(args.batch_size), *best.candidate.flags()],
-    ]
-    return f"mpirun -np {ranks} ringtrain train {' '.join(flags)}"
+    flags = [*planned.flags(), "--batch-size", str(args.batch_size), *best.candidate.flags()]
+    return f"mpirun -np {ranks} ringtrain train {shlex.join(flags)}"
 
 
 def _print_table(table: list[Prediction]) -> None:
@@ -146,9 +197,7 @@ def fingerprint() -> dict:
     return {key: facts[key] for key in FINGERPRINT_KEYS}
 
 
-def load_calibration(
-    path: str, model: str, dataset: str, optimizer: str, force: bool = False
-) -> Calibration:
+def load_calibration(path: str, planned: Planned, force: bool = False) -> Calibration:
     """Read and check a calibration file; one-line UserError for each way it can be wrong."""
     try:
         doc = json.loads(Path(path).read_text())
@@ -162,6 +211,7 @@ def load_calibration(
         cal = _from_json(doc)
     except (KeyError, TypeError, ValueError, AttributeError) as err:
         raise UserError(f"{path}: damaged calibration (bad or missing {err})") from None
+    model, dataset, optimizer = planned.name, planned.data_name, planned.optimizer
     if (cal.model, cal.dataset) != (model, dataset):
         raise UserError(
             f"{path}: calibrated for model {cal.model!r} on {cal.dataset!r}, "
@@ -250,6 +300,7 @@ def _from_json(doc: dict) -> Calibration:
             int(doc["batch_size"]),
             doc["compute_measured"] == "inter",
         ),
+        float(doc["optimizer_slots"]) if "optimizer_slots" in doc else None,
     )
 
 
@@ -316,16 +367,13 @@ def _executor_reference(
     return runs
 
 
-def calibrate(
-    model: str, dataset: str, optimizer: str, batch: int, hosts: str | None, path: str
-) -> dict:
+def calibrate(planned: Planned, batch: int, hosts: str | None, path: str) -> dict:
     """Measure on this node, or across `hosts` a,b if given, and write the calibration.
 
     Compute and the executor's own costs are measured where the jobs will run: across the two
     hosts when given (a rank on each, as the nodes' cores and thread pools are), else here;
     the links inside a node are always measured here, and between nodes across the hosts."""
-    common = ["--model", model, "--dataset", dataset, "--optimizer", optimizer]
-    common += ["--batch-size", str(batch)]
+    common = [*planned.flags(), "--batch-size", str(batch)]
     try:
         across = host_flags(hosts) if hosts else None
     except argparse.ArgumentTypeError as err:
@@ -359,9 +407,10 @@ def calibrate(
     }
     doc = {
         "format": FORMAT,
-        "model": model,
-        "dataset": dataset,
-        "optimizer": optimizer,
+        "model": planned.name,
+        "dataset": planned.data_name,
+        "optimizer": planned.optimizer,
+        "optimizer_slots": found[computed]["optimizer_slots"],
         "batch_size": batch,
         "fingerprint": stamp,
         "compute_measured": computed,

@@ -89,6 +89,8 @@ class Calibration:
     # step, the same with --fp16-allreduce, the global batch, whether its 2 ranks were on 2
     # nodes); None: not measured
     engine_step: tuple[float, float, int, bool] | None = None
+    # floats of optimizer state per weight, as measured; None: by the optimizer's name
+    optimizer_slots: float | None = None
 
     @property
     def runtime_bytes(self) -> int:
@@ -223,8 +225,10 @@ class Prediction:
 def _weights_bytes(cal: Calibration, elements: range, fp16: bool) -> tuple[int, int]:
     """(bytes of weights + gradients + optimizer state, bytes one gradient allreduce moves)."""
     params = sum(cal.elements[i].params for i in elements)
-    slots = OPTIMIZER_SLOTS.get(cal.optimizer, 2)
-    return params * FLOAT_BYTES * (2 + slots), params * (2 if fp16 else FLOAT_BYTES)
+    slots = cal.optimizer_slots
+    if slots is None:
+        slots = OPTIMIZER_SLOTS.get(cal.optimizer, 2)
+    return int(params * FLOAT_BYTES * (2 + slots)), params * (2 if fp16 else FLOAT_BYTES)
 
 
 def _stage_bytes(

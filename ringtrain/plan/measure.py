@@ -22,6 +22,7 @@ from statistics import median
 
 import numpy as np
 
+from ringtrain.keras_model.source import add_source_arguments
 from ringtrain.plan.costmodel import fit_line
 from ringtrain.proc import resident_bytes
 from ringtrain.timing import horovod_sum, slowest_rank_seconds, timed_steps
@@ -33,61 +34,63 @@ STEPS_TIMED = 30
 ENGINE_BLOCKS = 5
 
 
-def _elements(spec, seed: int) -> list[dict]:
-    """Each element's parameters and per-sample input and output sizes."""
-    shapes = spec.shapes()
+def _elements(subject) -> list[dict]:
+    """Each unit's parameters, and the 4-byte words per example crossing into and out of it."""
+    words = subject.plan.boundary_words()
     return [
-        {
-            "params": sum(int(np.prod(v.shape)) for v in element.trainable_weights),
-            "input_floats": int(np.prod(shapes[i])),
-            "output_floats": int(np.prod(shapes[i + 1])),
-        }
-        for i, element in enumerate(spec.build(range(len(spec)), seed))
+        {"params": int(params), "input_floats": words[i], "output_floats": words[i + 1]}
+        for i, params in enumerate(subject.plan.unit_params())
     ]
 
 
-def _element_seconds(spec, batch: int, seed: int) -> list[dict]:
-    """Each element's F, B, BI and BW seconds as fixed + per sample, timed as the executor's
+def _element_seconds(subject, batch: int) -> list[dict]:
+    """Each unit's F, B, BI and BW seconds as fixed + per sample, timed as the executor's
     time partition times them (so the planner splits the model where the executor will)."""
     from ringtrain.pipeline.ir import COMPUTE
-    from ringtrain.pipeline.split import ElementPlan
 
-    plan = ElementPlan(spec, seed)
+    plan = subject.plan
     at = {n: plan.unit_seconds(n) for n in _sample_counts(batch)}
     units = range(plan.n_units)
     return [{op: fit_line({n: at[n][i][op] for n in at}) for op in COMPUTE} for i in units]
 
 
-def _stage_ranges(spec, optimizer_name: str, batch: int, seed: int, tf) -> list[dict]:
-    """Every contiguous range of elements as one pipeline stage, run the way the executor runs
-    it (its own Stage): F, the compiled output under an eager tape (the loss read on the last
-    stage); B, the tape's gradient for weights and input plus the accumulating adds; BW, the
-    adds alone (with a saved tape BI makes every gradient and BW only adds them); STEP, the
-    compiled optimizer step over the range's weights. Fitted as fixed + per sample.
+def _stage_ranges(subject, batch: int, tf) -> list[dict]:
+    """Every contiguous range of units as one pipeline stage, run the way the executor runs
+    it (the stage the plan builds): F, the compiled output under an eager tape (the loss read
+    on the last stage); B, the tape's gradient for weights and input plus the accumulating
+    adds; BW, the adds alone (with a saved tape BI makes every gradient and BW only adds them);
+    STEP, the compiled optimizer step over the range's weights. Fitted as fixed + per sample.
 
     Each round times every range at both sizes once, so each figure's REPEATS timings are
     spread over the whole pass: this machine's speed moves by tens of percent over a fraction
     of a second, and timings taken back to back all fell in one such spell."""
-    from ringtrain.pipeline.stage import Stage
-
-    n, shapes = len(spec), spec.shapes()
+    plan, n = subject.plan, subject.plan.n_units
+    share = np.float32(1.0)
     cases = []
     for a in range(n):
         for b in range(a + 1, n + 1):
-            index = 0 if a == 0 else 1
-            stage = Stage(
-                index, index + 1 if b == n else index + 2, spec.build(range(a, b), seed), 1
-            )
-            optimizer = _optimizer(optimizer_name)
+            bounds = [r for r in ((0, a), (a, b), (b, n)) if r[0] < r[1]]
+            index = bounds.index((a, b))
+            stage = plan.build(index, bounds, 1)
+            optimizer = subject.fresh_optimizer()
             apply = tf.function(
                 lambda grads, s=stage, o=optimizer: o.apply_gradients(
                     zip(grads, s.variables, strict=True)
                 )
             )
+            if not stage.variables:  # weightless layers take no step, as in the executor
+                apply = _no_step
             for samples in _sample_counts(batch):
-                x = tf.random.normal((samples, *shapes[a]))
-                y = tf.zeros((samples,), tf.int32)
-                upstream = None if stage.last else tf.ones((samples, *shapes[b]))
+                x_rows, y = subject.rows(samples)
+                x = (
+                    stage.first_inputs(x_rows)
+                    if stage.first
+                    else plan.stand_in(bounds, index, samples)
+                )
+                upstream = None
+                if not stage.last:  # ones, of the shape of what the backward starts from
+                    made = stage.targets(stage.output(x, y, share), ())[0]
+                    upstream = tf.nest.map_structure(tf.ones_like, made)
                 zeros = [tf.zeros_like(v) for v in stage.variables]
                 cases.append((a, b, samples, stage, apply, x, y, upstream, zeros))
     ops = ("F", "B", "BW", "STEP")
@@ -96,13 +99,18 @@ def _stage_ranges(spec, optimizer_name: str, batch: int, seed: int, tf) -> list[
         for a, b, samples, stage, apply, x, y, upstream, zeros in cases:
             t0 = time.perf_counter()
             with tf.GradientTape() as tape:
-                if not stage.first:
-                    tape.watch(x)
-                out = stage.output(x, y)
+                tape.watch(stage.sources(x, False, True))
+                out = stage.output(x, y, share)
             if stage.last:
                 float(out)
             t1 = time.perf_counter()
-            made = tape.gradient(out, stage.sources(x, True, True), output_gradients=upstream)
+            targets, start = stage.targets(out, upstream)
+            made = tape.gradient(
+                targets,
+                stage.sources(x, True, True),
+                output_gradients=start,
+                unconnected_gradients="zero",
+            )
             t2 = time.perf_counter()
             grads = [g + d for g, d in zip(zeros, made, strict=False)]
             t3 = time.perf_counter()
@@ -124,37 +132,33 @@ def _stage_ranges(spec, optimizer_name: str, batch: int, seed: int, tf) -> list[
     return found
 
 
-def _optimizer(name: str):
-    import keras
-
-    kind = keras.optimizers.SGD if name == "sgd" else keras.optimizers.Adam
-    return kind(learning_rate=1e-6)
+def _no_step(_grads: list) -> None:
+    return None
 
 
 def _sample_counts(batch: int) -> tuple[int, int]:
     return max(1, batch // 16), max(2, batch // 2)
 
 
-def _whole_step(spec, optimizer_name: str, batch: int, seed: int, tf) -> list:
+def _whole_step(subject, batch: int, tf) -> list:
     """A data-parallel step's compute as ringtrain compiles it (forward, backward and the
-    optimizer in one function), fitted as fixed + per sample."""
-    from ringtrain.models import forward, loss_fn, trainable_variables
-
-    elements = spec.build(range(len(spec)), seed)
-    variables = trainable_variables(elements)
-    optimizer = _optimizer(optimizer_name)
+    optimizer in one function, over the model as one stage), fitted as fixed + per sample."""
+    whole = subject.plan.build(0, [(0, subject.plan.n_units)], 1)
+    optimizer = subject.fresh_optimizer()
+    share = np.float32(1.0)
 
     @tf.function
     def step(x, y):
         with tf.GradientTape() as tape:
-            loss = loss_fn(y, forward(elements, x))
-        optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables, strict=True))
+            loss = whole.output(x, y, share)
+        grads = tape.gradient(loss, whole.variables, unconnected_gradients="zero")
+        optimizer.apply_gradients(zip(grads, whole.variables, strict=True))
         return loss
 
     at = {}
     for n in _sample_counts(batch):
-        x = tf.random.normal((n, *spec.input_shape))
-        y = tf.zeros((n,), tf.int32)
+        x, y = subject.rows(n)
+        x = whole.first_inputs(x)
         times = []
         for _ in range(REPEATS + 1):  # the first traces
             start = time.perf_counter()
@@ -164,7 +168,18 @@ def _whole_step(spec, optimizer_name: str, batch: int, seed: int, tf) -> list:
     return fit_line(at)
 
 
-def _engine_steps(spec, data, args, world) -> tuple[dict[str, float], int]:
+def _optimizer_slots(subject) -> float:
+    """Floats of optimizer state per weight (Adam's two moments, momentum's one): the kind a
+    compiled model brings decides its memory, whatever its name."""
+    whole = subject.plan.build(0, [(0, subject.plan.n_units)], 1)
+    optimizer = subject.fresh_optimizer()
+    optimizer.build(whole.variables)
+    params = sum(int(np.prod(v.shape)) for v in whole.variables)
+    state = sum(int(np.prod(v.shape)) for v in optimizer.variables if len(v.shape))
+    return state / max(params, 1)
+
+
+def _engine_steps(subject, args, world) -> tuple[dict[str, float], int]:
     """Seconds a step of ringtrain's own data-parallel engine takes here at the global batch
     (compute, Horovod's average of the gradients in the compiled step, the optimizer), without
     and with `--fp16-allreduce`; and the high-water mark after the first's opening block, a
@@ -175,9 +190,8 @@ def _engine_steps(spec, data, args, world) -> tuple[dict[str, float], int]:
     cost the cost model adds to each data-parallel prediction of its kind."""
     from ringtrain.config import TrainConfig
     from ringtrain.data import epoch_batches
-    from ringtrain.dataparallel.engine import DataParallelEngine
 
-    def engine(kind: str) -> DataParallelEngine:
+    def engine(kind: str):
         cfg = TrainConfig(
             model=args.model,
             dataset=args.dataset,
@@ -186,9 +200,9 @@ def _engine_steps(spec, data, args, world) -> tuple[dict[str, float], int]:
             seed=args.seed,
             fp16_allreduce=kind == "fp16",
         )
-        return DataParallelEngine(spec, data, cfg, world)
+        return subject.engine(cfg, world)
 
-    batches = epoch_batches(len(data.x), args.batch_size, args.seed, 0)
+    batches = epoch_batches(subject.n_examples, args.batch_size, args.seed, 0)
     # The epoch's batches, cycled when it is shorter than a block.
     block = np.resize(batches, (STEPS_TIMED + 1, batches.shape[1]))
     engines = {"float32": engine("float32")}
@@ -218,12 +232,13 @@ def _allreduce(comm, grad_bytes: int) -> list[tuple[int, float]]:
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
-    parser.add_argument("--dataset", required=True)
+    parser.add_argument("--dataset", default="digits")
     parser.add_argument("--batch-size", type=int, required=True)
     parser.add_argument("--optimizer", default="adam")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compute", action="store_true")
     parser.add_argument("--out", required=True)
+    add_source_arguments(parser)
     args = parser.parse_args(argv)
 
     from ringtrain.runtime import start
@@ -233,23 +248,22 @@ def main(argv: list[str]) -> None:
     world = start(with_horovod=True)
 
     from ringtrain.comm import Link
-    from ringtrain.data import load_dataset
     from ringtrain.heartbeat import gather_hosts
-    from ringtrain.models import BUILTIN
     from ringtrain.pipeline.calibrate import measure_link
     from ringtrain.pipeline.costs import MeasuredCurve
+    from ringtrain.plan.subject import subject_of
     from ringtrain.tensorflow_loader import RESIDENT_AFTER_IMPORT, tf
 
-    data = load_dataset(args.dataset, args.seed)
-    spec = BUILTIN[args.model](data.input_shape, data.n_classes)
-    elements = _elements(spec, args.seed)
+    subject = subject_of(args)
+    elements = _elements(subject)
     params = sum(e["params"] for e in elements)
     report: dict = {"hosts": gather_hosts(world.comm)}
     report["baseline_bytes"] = RESIDENT_AFTER_IMPORT
     if args.compute:  # ringtrain's data-parallel engine first: the high-water mark is its own
-        report["engine_step_seconds"], peak = _engine_steps(spec, data, args, world)
+        report["engine_step_seconds"], peak = _engine_steps(subject, args, world)
         report["step_peak"] = [peak - RESIDENT_AFTER_IMPORT, args.batch_size / world.size]
-        report["step_seconds"] = _whole_step(spec, args.optimizer, args.batch_size, args.seed, tf)
+        report["step_seconds"] = _whole_step(subject, args.batch_size, tf)
+        report["optimizer_slots"] = _optimizer_slots(subject)
     world.comm.Barrier()
     allreduce = MeasuredCurve.of(_allreduce(world.comm, params * 4))
     p2p = measure_link(Link(world.comm, timeout=60.0), world.rank, P2P_SIZES, tag=7)
@@ -257,10 +271,10 @@ def main(argv: list[str]) -> None:
     report["elements"] = elements
     if args.compute:
         for element, seconds in zip(
-            elements, _element_seconds(spec, args.batch_size, args.seed), strict=True
+            elements, _element_seconds(subject, args.batch_size), strict=True
         ):
             element["seconds"] = seconds
-        report["stages"] = _stage_ranges(spec, args.optimizer, args.batch_size, args.seed, tf)
+        report["stages"] = _stage_ranges(subject, args.batch_size, tf)
     if world.rank == 0:
         with open(args.out, "w") as out:
             json.dump(report, out)
