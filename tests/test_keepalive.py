@@ -10,6 +10,7 @@ from conftest import ENV, ROOT
 
 from ringtrain.launch.keepalive import (
     KEEPALIVE,
+    TERM_GRACE,
     keepalive_warning,
     param_file_list,
     silence_bound,
@@ -35,7 +36,8 @@ def activated(command: str) -> str:
 
 def test_ompi_info_in_the_activated_venv_shows_the_short_keepalive_from_its_file():
     shown = activated("ompi_info --param oob tcp --level 9")
-    for key, value in KEEPALIVE.items():
+    shown += activated("ompi_info --param odls base --level 9")
+    for key, value in {**KEEPALIVE, **TERM_GRACE}.items():
         line = next(line for line in shown.splitlines() if f'"{key}"' in line)
         assert f'current value: "{value}"' in line, line
         assert "ringtrain-mca-params.conf" in line, line

@@ -28,6 +28,10 @@ KEEPALIVE = {
     "oob_tcp_keepalive_intvl": "2",
     "oob_tcp_keepalive_probes": "3",
 }
+# Between the launcher's SIGTERM and its SIGKILL (1 s by default): time for a rank on a loaded
+# node, whose heartbeat thread may wait for a core, to name the silent peer before it is killed
+# (heartbeat.py). A run that lost a node once ended without that line, 20 s after the fault.
+TERM_GRACE = {"odls_base_sigkill_timeout": "5"}
 # A launcher that waits longer than this on a silent node gets the start-up warning.
 LONGEST_SILENCE_S = 60
 
@@ -100,7 +104,7 @@ def keepalive_warning(environ: Mapping[str, str] | None = None) -> str | None:
 def param_file_text() -> str:
     """The venv's Open MPI parameter file."""
     lines = ["# ringtrain: end a job whose node went silent within seconds (see keepalive.py)"]
-    lines += [f"{key} = {value}" for key, value in KEEPALIVE.items()]
+    lines += [f"{key} = {value}" for key, value in {**KEEPALIVE, **TERM_GRACE}.items()]
     return "\n".join(lines) + "\n"
 
 
