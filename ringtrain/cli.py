@@ -69,7 +69,7 @@ def _rank_or_none() -> int | None:
         return None
 
 
-USER_MODEL_REFUSES = ("optimizer", "lr", "clip_norm", "accumulate", "bucket_mb", "loop")
+USER_MODEL_REFUSES = ("optimizer", "lr", "clip_norm", "loop")
 
 
 def add_train_command_arguments(p: argparse.ArgumentParser) -> None:

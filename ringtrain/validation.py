@@ -26,8 +26,6 @@ BUILT_IN_ONLY = {  # flags that configure ringtrain's own models, or its custom 
     "optimizer": "the compiled optimizer",
     "lr": "the compiled learning rate",
     "clip_norm": "the compiled optimizer's clipnorm, clipvalue or global_clipnorm",
-    "accumulate": "the compiled optimizer's gradient_accumulation_steps",
-    "bucket_mb": None,
     "loop": None,
 }
 
@@ -43,7 +41,14 @@ def validate_user_model(cfg: TrainConfig, world_size: int, given: Collection[str
     _validate_strategy_shape(cfg, world_size)
     pp_size = pp_size_of(cfg, world_size)
     _validate_pipeline(cfg, pp_size, None)
-    shares = world_size // pp_size * (cfg.microbatches if pp_size > 1 else 1)
+    if cfg.bucket_mb is not None and cfg.strategy != "data":
+        raise UserError("--bucket-mb buckets the allreduce of --strategy data")
+    if cfg.accumulate > 1 and cfg.strategy not in ("single", "data"):
+        raise UserError(
+            "--accumulate slices a data-parallel share (--strategy single or data); "
+            "a pipeline has --microbatches"
+        )
+    shares = world_size // pp_size * (cfg.microbatches if pp_size > 1 else cfg.accumulate)
     if cfg.batch_size < shares:
         raise UserError(
             f"global batch {cfg.batch_size} is smaller than the {shares} shares it is cut into"

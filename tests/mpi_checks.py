@@ -341,6 +341,11 @@ def keras_grid(world_size: int) -> list[TrainConfig]:
         grid += [replace(base, model="two_heads", **r) for r in runs[:2]]  # loss_weights
         four = dict(schedule="interleaved", virtual_stages=2, microbatches=4)
         grid.append(replace(base, model="bert_classifier", strategy="pipeline", **four))
+        # --accumulate (uneven slices of a partial batch; BERT's sparse embedding rows summed
+        # across slices; BatchNormalization per slice) and --bucket-mb under data parallelism
+        sliced = dict(strategy="data", accumulate=2)
+        grid.append(replace(base, model="residual_cnn", bucket_mb=0.01, **sliced))
+        grid += [replace(base, model=m, **sliced) for m in ("bert_classifier", "bn_cnn")]
     return grid
 
 
@@ -373,7 +378,7 @@ def keras_check(cfg: TrainConfig, world: runtime.World, sets: dict) -> dict:
     if world.rank != 0:
         return {}
     pp = pp_size_of(cfg, world.size)
-    shares = (world.size // pp) * (cfg.microbatches if pp > 1 else 1)
+    shares = (world.size // pp) * (cfg.microbatches if pp > 1 else cfg.accumulate)
     batch_norm = cfg.model == "bn_cnn"
     micro = shares if batch_norm else 1
     key = (cfg.model, micro)

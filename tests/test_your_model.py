@@ -47,11 +47,12 @@ def test_every_zoo_model_under_every_strategy_updates_as_keras_fit_does(ranks, g
     MLP with AdamW, a cosine schedule and global_clipnorm, a frozen feature extractor and a
     BatchNormalization CNN; single on 1 rank, data and pipeline (1F1B, ZB-H1, M=4) on 2,
     hybrid 2x2 on 4; on 2 ranks also the CNN with SGD + Nesterov momentum (data, 1F1B), a
-    two-output model with loss_weights (data, 1F1B), and the BERT in four interleaved stages (its
-    padding mask passes through the middle ones). The stages are cut by the default time
+    two-output model with loss_weights (data, 1F1B), the BERT in four interleaved stages (its
+    padding mask passes through the middle ones), and --accumulate 2 under data (the CNN with
+    --bucket-mb too, the BERT, the BatchNormalization CNN). The stages are cut by the default time
     partition. Each per tensor within the bound of Keras's own fit."""
     results = grid_checks.keras(ranks)
-    assert len(results) == {1: 5, 2: 20, 4: 5}[ranks]
+    assert len(results) == {1: 5, 2: 23, 4: 5}[ranks]
     for r in results:
         c, u = r["config"], r["update"]
         print(
@@ -169,6 +170,11 @@ BEFORE_TENSORFLOW = [
     (["--split-at", "conv"], "--split-at names layers of a --model FUNCTION's graph"),
     (["--model", GOOD, "--split-at", "conv"], "--split-at cuts pipeline stages, not --strategy"),
     (["--model-arg", "units=3"], "--model-arg needs --model PATH.py:FUNCTION"),
+    (["--model", GOOD, "--strategy", "single", "--bucket-mb", "1"], "--bucket-mb buckets"),
+    (
+        ["--model", GOOD, "--strategy", "pipeline", "--accumulate", "2"],
+        "--accumulate slices a data-parallel share",
+    ),
     (["--model", GOOD, "--save", "/tmp/out.h5"], "name it *.keras"),
 ]
 

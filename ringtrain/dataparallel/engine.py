@@ -11,7 +11,7 @@ import numpy as np
 from ringtrain.checkpoint import WholeModelReplica
 from ringtrain.config import TrainConfig
 from ringtrain.data import Dataset, shard
-from ringtrain.dataparallel.collectives import average_gradients, broadcast_state, buckets
+from ringtrain.dataparallel.collectives import average_in_buckets, broadcast_state, buckets
 from ringtrain.evaluate import AccuracyScorer, score_shards
 from ringtrain.models import ModelSpec, forward, loss_fn, trainable_variables
 from ringtrain.optim import LearningRate, make_optimizer
@@ -57,17 +57,9 @@ class DataParallelEngine(WholeModelReplica):
             loss += part
         raw, arrived = grads, []
         if self.hvd is not None:
-            grads = list(raw)
-            for b, bucket in enumerate(self.buckets):
-                extra = [loss, stop] if b == 0 else []
-                out = average_gradients(
-                    self.hvd, [raw[i] for i in bucket] + extra, self.cfg.fp16_allreduce
-                )
-                for i, averaged in zip(bucket, out, strict=False):
-                    grads[i] = averaged
-                if b == 0:
-                    loss, stop = out[-2], out[-1]
-                arrived.append(out)
+            grads, loss, stop, arrived = average_in_buckets(
+                self.hvd, raw, self.buckets, loss, stop, self.cfg.fp16_allreduce
+            )
         if self.cfg.clip_norm is not None:
             grads, _ = tf.clip_by_global_norm(grads, self.cfg.clip_norm)
         self.optimizer.apply_gradients(zip(grads, self.variables, strict=True))

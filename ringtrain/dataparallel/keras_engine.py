@@ -6,6 +6,11 @@ divide, as an epoch's partial last batch). Its loss is rescaled so that Horovod'
 the replicas' gradients is the gradient of the loss Keras computes over the whole batch; the
 optimizer then applies it as Keras's `fit` would, with everything `compile` gave it (clipping,
 schedules, weight decay). Frozen layers have no gradient, so they send no allreduce bytes.
+
+`--accumulate K` cuts each rank's share into K contiguous slices, run one after another with
+their gradients summed, each weighted by its share of the global batch (BatchNormalization
+then normalises per slice, as a pipeline does per microbatch). `--bucket-mb` averages the
+gradients in groups as the backward makes them, as for the built-ins.
 """
 
 from __future__ import annotations
@@ -15,8 +20,9 @@ import numpy as np
 from ringtrain.checkpoint import WholeModelReplica
 from ringtrain.config import TrainConfig
 from ringtrain.data import UserData, uneven_shard
-from ringtrain.dataparallel.collectives import average_gradients
+from ringtrain.dataparallel.collectives import average_in_buckets, buckets
 from ringtrain.evaluate import score_shards
+from ringtrain.gradients import add_gradients
 from ringtrain.keras_model.compiled import (
     CompiledMetrics,
     base_learning_rate,
@@ -27,6 +33,7 @@ from ringtrain.keras_model.compiled import (
 from ringtrain.optim import LearningRate
 from ringtrain.runtime import World
 from ringtrain.tensorflow_loader import tf
+from ringtrain.weights import variable_bytes
 
 
 def broadcast_in_order(comm, variables: list) -> None:
@@ -52,22 +59,29 @@ class KerasDataParallelEngine(WholeModelReplica):
         if world.size > 1:
             broadcast_in_order(world.comm, self.variables + list(self.optimizer.variables))
         self.kind = reduction_kind(model)
+        sizes = variable_bytes(self.trainable)
+        self.buckets = buckets(sizes, cfg.bucket_mb) if cfg.bucket_mb else [list(range(len(sizes)))]
         self.base_learning_rate = base_learning_rate(self.optimizer)
         self._lr = LearningRate(self.optimizer)
         self._train_step = tf.function(self._step_graph, reduce_retracing=True)
         self.scorer = CompiledMetrics(model)
         self._predict = tf.function(lambda x: model(x, training=False), reduce_retracing=True)
 
-    def _step_graph(self, x, y, share: tf.Tensor, stop: tf.Tensor):
-        """The loss and the stop flag ride in the gradients' allreduce, so every rank sees the
-        same loss and agrees on stopping without a collective of its own."""
-        with tf.GradientTape() as tape:
-            y_pred = self.model(x, training=True)
-            loss = global_loss(self.model, x, y, y_pred, share)
-        grads = tape.gradient(loss, self.trainable, unconnected_gradients="zero")
+    def _step_graph(self, slices: tuple, stop: tf.Tensor):
+        """`slices` holds (x, y, share) per accumulation slice. The loss and the stop flag
+        ride in the first bucket's allreduce, so every rank sees the same loss and agrees on
+        stopping without a collective of its own."""
+        grads, loss = None, tf.constant(0.0)
+        for x, y, share in slices:
+            with tf.GradientTape() as tape:
+                y_pred = self.model(x, training=True)
+                part = global_loss(self.model, x, y, y_pred, share, 1 / len(slices))
+            made = tape.gradient(part, self.trainable, unconnected_gradients="zero")
+            grads = made if grads is None else add_gradients(grads, made)
+            loss += tf.cast(part, loss.dtype)
         if self.hvd is not None:
-            *grads, loss, stop = average_gradients(
-                self.hvd, [*grads, loss, stop], self.cfg.fp16_allreduce
+            grads, loss, stop, _ = average_in_buckets(
+                self.hvd, grads, self.buckets, loss, stop, self.cfg.fp16_allreduce
             )
         self.optimizer.apply_gradients(zip(grads, self.trainable, strict=True))
         return loss, stop
@@ -82,9 +96,12 @@ class KerasDataParallelEngine(WholeModelReplica):
         """One update on the global batch `global_indices`; (its loss, whether any rank asked
         to stop)."""
         local = uneven_shard(global_indices, self.world.rank, self.world.size)
-        share = loss_share(self.kind, len(local), len(global_indices), self.world.size)
-        x, y = self.data.train.take(local)
-        loss, anyone = self._train_step(x, y, np.float32(share), np.float32(stop_requested))
+        slices = []
+        for part in np.array_split(local, self.cfg.accumulate):
+            if len(part):  # a partial batch may leave a slice empty
+                share = loss_share(self.kind, len(part), len(global_indices), self.world.size)
+                slices.append((*self.data.train.take(part), np.float32(share)))
+        loss, anyone = self._train_step(tuple(slices), np.float32(stop_requested))
         return float(loss), float(anyone) > 0
 
     def evaluate(self) -> dict[str, float]:

@@ -69,15 +69,16 @@ def loss_share(kind: str, local: int, total: int, replicas: int) -> float:
     return replicas * local / total
 
 
-def global_loss(model, x, y, y_pred, share: tf.Tensor) -> tf.Tensor:
+def global_loss(model, x, y, y_pred, share: tf.Tensor, added_share: float = 1.0) -> tf.Tensor:
     """This replica's term of the global batch's loss: its compiled (data) loss times its
-    share, plus the model's own added losses (regularisers), which the average keeps once."""
+    share, plus the model's own added losses (regularisers), which the average keeps once
+    (`added_share` of them per accumulation slice)."""
     total = model.compute_loss(x=x, y=y, y_pred=y_pred, training=True)
     added = [tf.cast(loss, total.dtype) for loss in model.losses]
     if not added:
         return total * share
     extra = tf.add_n(added)
-    return (total - extra) * share + extra
+    return (total - extra) * share + extra * added_share
 
 
 def receive_weights(model, weights: dict) -> None:

@@ -30,6 +30,7 @@ from ringtrain.config import TrainConfig, pp_size_of
 from ringtrain.data import shard, take, uneven_shard
 from ringtrain.dataparallel.collectives import average_gradients
 from ringtrain.evaluate import CHUNK
+from ringtrain.gradients import add_gradients, scaled_gradient
 from ringtrain.models import ModelSpec
 from ringtrain.optim import LearningRate
 from ringtrain.pipeline import report
@@ -55,25 +56,6 @@ from ringtrain.tensorflow_loader import tf
 LOSS, WEIGHTS = 0, 1  # tags on the world communicator; pipeline tags are tags.message_tag's
 KINDS = {"ACT": 0, "GRAD": 1}
 SLOTS = 2  # receive buffers per kind and sending stage: one being waited on, one posted ahead
-
-
-def _add_lists(total: list, new: list) -> list:
-    return [_add(a, g) for a, g in zip(total, new, strict=True)]
-
-
-def _add(total, new):
-    """An embedding's gradient is IndexedSlices: the microbatches' rows are kept together, as
-    one process's gradient over the whole batch holds them (see collectives._average_slices)."""
-    if isinstance(new, tf.IndexedSlices):
-        values = tf.concat([total.values, new.values], 0)
-        return tf.IndexedSlices(values, tf.concat([total.indices, new.indices], 0), new.dense_shape)
-    return total + new
-
-
-def _scaled(grad, factor: float):
-    if isinstance(grad, tf.IndexedSlices):
-        return tf.IndexedSlices(grad.values * factor, grad.indices, grad.dense_shape)
-    return grad * factor
 
 
 @dataclass
@@ -311,7 +293,7 @@ class PipelineEngine(Checkpointable):
         )
         self.pipe.Allreduce(np.copy(squares), squares)
         norm, limit = float(np.sqrt(squares[0])), self.clip_limit
-        return [_scaled(g, limit / max(norm, limit)) for g in grads]
+        return [scaled_gradient(g, limit / max(norm, limit)) for g in grads]
 
     def _loss_to_rank0(self) -> float:
         """Each replica's rank holding the last stage sends its loss to rank 0 as a buffer;
@@ -407,7 +389,7 @@ class PipelineEngine(Checkpointable):
     def _accumulate(self, stage: int, grads: list) -> None:
         held = self.local_stages[stage]
         # eager: a compiled sum's call costs more than its 30-odd adds (2.0 ms against 0.8)
-        held.grads = list(grads) if held.grads is None else _add_lists(held.grads, grads)
+        held.grads = list(grads) if held.grads is None else add_gradients(held.grads, grads)
 
     def _hand_on(self, a: Action, value: tf.Tensor | None) -> None:
         """What a computation made for a neighbouring stage: kept for a send, or, when that
