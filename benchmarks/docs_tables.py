@@ -201,6 +201,59 @@ def strategies_table(report: dict) -> str:
     return "\n".join([intro, "", *lines, "", f"Targets: {'; '.join(verdicts)}.", *failed])
 
 
+def _distance(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2g}"
+
+
+def zoo_table(report: dict) -> str:
+    """Throughput of a user's own models against the built-in CNN and one process, and how far
+    their weights land from one-process model.fit's."""
+    lines = [
+        "| contender | samples/s (median, min–max) | against | ratio, per round: median "
+        "(min–max) |",
+        "|---|---|---|---|",
+    ]
+    for e in report["summary"]:
+        rounds = e["vs_reference_per_round"]
+        ratio = f"{e['vs_reference_median']:.2f} ({_span(rounds, '.2f')})"
+        against = "itself" if e["contender"] == e["reference"] else e["reference"]
+        lines.append(f"| {e['contender']} | {_range(e, 'samples_per_sec')} | {against} | {ratio} |")
+    steps = report["compared_steps"]
+    lines += [
+        "",
+        f"| after {steps} steps, ‖dw − dw_fit‖ / ‖dw_fit‖ per tensor | tensors | median | max "
+        "(tensor) | median, BatchNormalization moving statistics | median, other tensors |",
+        "|---|---|---|---|---|---|",
+    ]
+    for contender, d in report["weight_distance"].items():
+        worst = f" (`{d['worst_tensor']}`)" if d["max"] > 0 else ""  # none where all are 0
+        lines.append(
+            f"| {contender} | {d['tensors']} | {_distance(d['median'])} | "
+            f"{_distance(d['max'])}{worst} | "
+            f"{_distance(d['median_moving_statistics'])} | {_distance(d['median_other_tensors'])} |"
+        )
+    verdicts = [
+        f"{name}: {t['value']:.2f}, {'met' if t['met'] else 'NOT met'}"
+        for name, t in report["targets"].items()
+    ]
+    facts, w, threads = report["machine"], report["workload"], report["threads"]
+    per_turn = report["steps_per_measurement"]
+    stages = ", ".join(f"[{a}, {b})" for a, b in report["partition"])
+    intro = (
+        f"`ringtrain bench zoo` on {machine(facts)}, TensorFlow {facts['tensorflow']}, Keras "
+        f"{facts['keras']}: synthetic {'×'.join(map(str, w['input']))} ({w['samples']} "
+        f"training examples), global batch {w['global_batch']}, {w['optimizer']}; "
+        f"{per_turn['cnn']} CNN steps or {per_turn['resnet']} ResNet50 steps per turn, "
+        f"{report['rounds']} alternating rounds{_mode(report)}. Two ranks of "
+        f"{threads['intra_op']} intra-op and {threads['inter_op']} inter-op thread(s) each; "
+        f"pinning: {report['pinning']['rule']}. ResNet50 has {w['resnet50_parameters']:,} "
+        f"parameters; the pipeline's time partition cut its blocks at {stages}. The distances "
+        f"compare the weights after {steps} steps from one set of initial weights with what "
+        "one-process Keras `model.fit` made of the same batches, in order."
+    )
+    return "\n".join([intro, "", *lines, "", f"Targets: {'; '.join(verdicts)}."])
+
+
 def allreduce_table(report: dict) -> str:
     lines = [
         "| ranks | size | Horovod busbw | Horovod in a step busbw | MPI out-of-place busbw | "
@@ -498,6 +551,7 @@ PAGE_RESULTS = {
         ("dp-cluster-capped", dp_table),
     ),
     "strategies.md": (("strategies", strategies_table),),
+    "zoo.md": (("zoo", zoo_table),),
     "pipeline.md": (("pipeline", pipeline_table), ("pipeline-cluster", pipeline_table)),
     "planning.md": (
         ("plan-cluster-2gbit", plan_table),

@@ -192,6 +192,39 @@ def test_bench_strategies_quick(tmp_path):
     assert 0 <= report["machine"]["cpu_steal_fraction"] < 1  # /proc/stat is read on Linux
 
 
+@pytest.mark.mpi
+def test_bench_zoo_quick(tmp_path):
+    """Every contender takes every round; each ResNet50 run (and the CNN, which has no
+    BatchNormalization) is compared with one-process model.fit, which the CNN and rank 0 alone
+    match up to rounding: the method is right, whatever BatchNormalization makes of the rest."""
+    report = quick_bench("zoo", tmp_path)
+    contenders = [
+        "built-in cnn, data",
+        "your keras.Model cnn, data",
+        "ResNet50 single",
+        "ResNet50 data",
+        "ResNet50 pipeline interleaved 4 stages M=4",
+    ]
+    assert rounds_per_contender(report["raw"]) == {name: [0, 1, 2] for name in contenders}
+    assert all(r["samples_per_sec"] > 0 for r in report["raw"])
+    assert [len(r["per_round"]) for r in report["ratios"].values()] == [3, 3, 3]
+    target = report["targets"]["your_keras_model_at_least_0.95_of_builtin"]
+    assert target["met"] == (target["value"] >= 0.95)
+    distances = report["weight_distance"]
+    assert list(distances) == contenders[1:]
+    for d in distances.values():
+        assert 0 <= d["median"] <= d["max"] and d["worst_tensor"] in d["per_tensor"]
+    assert distances["ResNet50 single"]["tensors"] == 320  # ResNet50's weights, BN's included
+    assert distances["your keras.Model cnn, data"]["max"] < 1e-3
+    assert distances["ResNet50 single"]["max"] < 1e-3
+    assert len(report["partition"]) == 4
+    assert_pinning_recorded(report, report["cpus_allowed_list"])
+    assert len(report["cpus_allowed_list"]) == 2
+    assert report["threads"]["intra_op"] == 1
+    assert set(report["environment"]) == SETTINGS
+    assert report["environment"]["RINGTRAIN_THREADS"] == "1"
+
+
 def test_steal_fraction_is_the_stolen_share_of_the_ticks_between_readings():
     from ringtrain.bench.common import steal_fraction
 

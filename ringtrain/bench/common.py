@@ -63,6 +63,11 @@ BENCHES = {
         "ringtrain plan's predictions against measured runs of every 2-rank configuration",
         3,
     ),
+    "zoo": (
+        "ringtrain.bench.zoo",
+        "your own Keras models (a CNN, ResNet50) against the built-in ones and one process",
+        5,
+    ),
 }
 PROTOCOL = "@bench "  # marks driver replies among whatever else a rank prints on stdout
 

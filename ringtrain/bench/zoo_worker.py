@@ -1,0 +1,198 @@
+"""The ranks of `ringtrain bench zoo`, one measurement per command.
+
+    mpirun --bind-to none -np 2 python -m ringtrain.bench.zoo_worker
+
+Every contender is built once, in the same order on every rank, and traced before the ready
+reply; rank 0 serves the parent's commands as in `bench strategies` (bench/common.serve). A
+contender named `WEIGHTS + name` resets that contender's model to the initial weights it
+shares with the others of its architecture, trains S given global batches, [t*B, (t+1)*B),
+and replies with each tensor's distance from what one-process Keras `model.fit` made of the
+same batches from the same weights (computed once per architecture, in rank 0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
+from functools import partial
+from statistics import median
+
+import numpy as np
+
+from ringtrain import runtime
+from ringtrain.bench import common
+from ringtrain.bench.strategies import BATCH, LR, SEED, workload
+from ringtrain.bench.strategies_worker import engine_runner
+from ringtrain.bench.zoo import (
+    CNN_BUILTIN,
+    CNN_KERAS,
+    COMPARED,
+    MICROBATCHES,
+    RESNET_DATA,
+    RESNET_PIPELINE,
+    RESNET_SINGLE,
+    VIRTUAL_STAGES,
+    WEIGHTS,
+    functional_cnn,
+    resnet50,
+)
+from ringtrain.data import Dataset, Examples, UserData
+
+
+@dataclass
+class Contender:
+    """One engine and what it trains: for a user's model, the model, its initial weights (the
+    same for every contender of one architecture) and how to build it afresh, for the
+    reference model.fit; `horovod`: whether Horovod must run while it steps."""
+
+    engine: object
+    horovod: bool
+    model: object = None
+    initial: list | None = None
+    fresh: Callable[[], object] | None = None
+
+
+def relative_distances(names: list[str], initial: list, trained: list, reference: list) -> dict:
+    """Per tensor ||dw - dw_ref|| / ||dw_ref||, dw being what training changed: the summary
+    over all tensors, and apart for BatchNormalization's moving statistics."""
+    found = {}
+    for name, start, mine, theirs in zip(names, initial, trained, reference, strict=True):
+        moved = theirs - start
+        gap = np.linalg.norm((mine - start) - moved)
+        found[name] = float(gap / max(np.linalg.norm(moved), 1e-30))
+    moving = [d for name, d in found.items() if "moving_" in name]
+    others = [d for name, d in found.items() if "moving_" not in name]
+    return {
+        "median": median(found.values()),
+        "max": max(found.values()),
+        "worst_tensor": max(found, key=found.get),
+        "median_moving_statistics": median(moving) if moving else None,
+        "median_other_tensors": median(others),
+        "tensors": len(found),
+        "per_tensor": found,
+    }
+
+
+def fit_reference(c: Contender, data: Dataset, steps: int) -> list[np.ndarray]:
+    """One-process Keras from the contender's initial weights: model.fit on the first
+    `steps` global batches, in order."""
+    model = c.fresh()
+    model.set_weights(c.initial)
+    n = steps * BATCH
+    model.fit(data.x[:n], data.y[:n], batch_size=BATCH, shuffle=False, epochs=1, verbose=0)
+    return model.get_weights()
+
+
+def _contenders(world: runtime.World, data: Dataset) -> dict[str, Contender]:
+    """Every contender, built in one order on every rank (Horovod matches by names Keras numbers
+    per process), rank 0's lone one last."""
+    from mpi4py import MPI
+
+    from ringtrain.dataparallel.engine import DataParallelEngine
+    from ringtrain.dataparallel.keras_engine import KerasDataParallelEngine
+    from ringtrain.keras_model.graph import split_graph
+    from ringtrain.pipeline.engine import PipelineEngine
+    from ringtrain.pipeline.split import GraphPlan
+
+    _, spec = workload()
+    users = UserData(Examples(data.x, data.y))
+    cfg = common.bench_config("cnn", BATCH, LR, SEED)
+    data_cfg = replace(cfg, strategy="data")
+    new_cnn = partial(functional_cnn, data.input_shape, data.n_classes)
+    new_resnet = partial(resnet50, data.n_classes)
+    drawn = new_resnet().get_weights()  # on every rank, so that names number alike
+    initial = world.comm.bcast(drawn if world.rank == 0 else None)
+
+    def resnet(make_engine, horovod: bool = False) -> Contender:
+        model = new_resnet()
+        model.set_weights(initial)
+        return Contender(make_engine(model), horovod, model, initial, new_resnet)
+
+    found = {}
+    with common.horovod_running(world.comm) as hvd:
+        ranks = replace(world, hvd=hvd)
+        found[CNN_BUILTIN] = Contender(DataParallelEngine(spec, data, data_cfg, ranks), True)
+        cnn = new_cnn()
+        engine = KerasDataParallelEngine(cnn, users, data_cfg, ranks)  # rank 0's weights
+        found[CNN_KERAS] = Contender(engine, True, cnn, cnn.get_weights(), new_cnn)
+        found[RESNET_DATA] = resnet(
+            lambda m: KerasDataParallelEngine(m, users, data_cfg, ranks), horovod=True
+        )
+        for c in found.values():
+            engine_runner(c.engine, data)(1)  # trace while Horovod is up
+    pipeline_cfg = replace(
+        cfg,
+        strategy="pipeline",
+        schedule="interleaved",
+        virtual_stages=VIRTUAL_STAGES,
+        microbatches=MICROBATCHES,
+    )
+    found[RESNET_PIPELINE] = resnet(
+        lambda m: PipelineEngine(GraphPlan(m, split_graph(m, data.x)), users, pipeline_cfg, world)
+    )
+    if world.rank == 0:
+        alone = runtime.World(0, 1, 0, 1, MPI.COMM_SELF, None)
+        found[RESNET_SINGLE] = resnet(lambda m: KerasDataParallelEngine(m, users, cfg, alone))
+    return found
+
+
+def main() -> None:
+    world = runtime.start(with_horovod=False, horovod_later=True)
+    import tensorflow as tf
+
+    data, _ = workload()
+    contenders = _contenders(world, data)
+    for c in contenders.values():
+        if not c.horovod:
+            engine_runner(c.engine, data)(1)  # trace outside any timing
+    cpus = common.ranks_cpus_allowed(world.comm)
+    pipeline = contenders[RESNET_PIPELINE]
+    if world.rank == 0:
+        common.reply(
+            {
+                "ready": True,
+                "threads": {
+                    "intra_op": tf.config.threading.get_intra_op_parallelism_threads(),
+                    "inter_op": tf.config.threading.get_inter_op_parallelism_threads(),
+                },
+                "cpus_allowed_list": cpus,
+                "environment": common.settings_in_force(),
+                "samples": len(data.x),
+                "resnet50_parameters": int(pipeline.model.count_params()),
+                "partition": [list(b) for b in pipeline.engine.bounds],
+            }
+        )
+    references: dict[tuple, list] = {}
+
+    def compare(c: Contender, steps: int) -> dict | None:
+        """S steps from the initial weights, then (rank 0) the distances from model.fit's."""
+        c.model.set_weights(c.initial)
+        with common.horovod_running(world.comm) if c.horovod else nullcontext():
+            for t in range(steps):
+                c.engine.step(np.arange(t * BATCH, (t + 1) * BATCH))
+        gathered = c.engine.gather_weights()  # every stage's, under the model's own names
+        if world.rank != 0:
+            return None
+        names = [v.path for v in c.model.weights]
+        if (c.fresh, steps) not in references:
+            references[c.fresh, steps] = fit_reference(c, data, steps)
+        trained = [gathered[name] for name in names]
+        reference = references[c.fresh, steps]
+        return {"distance": relative_distances(names, c.initial, trained, reference)}
+
+    def measure(name: str, steps: int) -> dict | None:
+        c = contenders.get(name.removeprefix(WEIGHTS))
+        if c is None:  # rank 0's lone contender, on rank 1
+            return None
+        if name.startswith(WEIGHTS):
+            return compare(c, steps)
+        with common.horovod_running(world.comm) if c.horovod else nullcontext():
+            return {"seconds": engine_runner(c.engine, data)(steps)}
+
+    timed = [CNN_BUILTIN, CNN_KERAS, RESNET_SINGLE, RESNET_DATA, RESNET_PIPELINE]
+    common.serve(world.comm, timed + [WEIGHTS + name for name in COMPARED], measure)
+
+
+if __name__ == "__main__":
+    main()
