@@ -232,6 +232,21 @@ def zoo_table(report: dict) -> str:
             f"{_distance(d['max'])}{worst} | "
             f"{_distance(d['median_moving_statistics'])} | {_distance(d['median_other_tensors'])} |"
         )
+    shared = report.get("weight_distance_per_share", {})
+    if shared:
+        lines += [
+            "",
+            "| against `fit` on batches of B/K accumulated over K (normalised as the run is) | K | "
+            "median | max (tensor) | median, BatchNormalization moving statistics | "
+            "median, other tensors |",
+            "|---|---|---|---|---|---|",
+        ]
+    for contender, d in shared.items():
+        lines.append(
+            f"| {contender} | {d['shares']} | {_distance(d['median'])} | "
+            f"{_distance(d['max'])} (`{d['worst_tensor']}`) | "
+            f"{_distance(d['median_moving_statistics'])} | {_distance(d['median_other_tensors'])} |"
+        )
     verdicts = [
         f"{name}: {t['value']:.2f}, {'met' if t['met'] else 'NOT met'}"
         for name, t in report["targets"].items()

@@ -217,6 +217,13 @@ def test_bench_zoo_quick(tmp_path):
     assert distances["ResNet50 single"]["tensors"] == 320  # ResNet50's weights, BN's included
     assert distances["your keras.Model cnn, data"]["max"] < 1e-3
     assert distances["ResNet50 single"]["max"] < 1e-3
+    # against fit normalising as the run does (B/K accumulated over K), BatchNormalization's
+    # gap is gone: the pipeline's every tensor, data parallelism's trainable ones (each
+    # replica keeps its own moving statistics)
+    shared = report["weight_distance_per_share"]
+    assert {k: d["shares"] for k, d in shared.items()} == {contenders[3]: 2, contenders[4]: 4}
+    assert shared[contenders[4]]["max"] < 1e-3
+    assert shared[contenders[3]]["median_other_tensors"] < 1e-3
     assert len(report["partition"]) == 4
     assert_pinning_recorded(report, report["cpus_allowed_list"])
     assert len(report["cpus_allowed_list"]) == 2

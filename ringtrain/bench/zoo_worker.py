@@ -32,6 +32,7 @@ from ringtrain.bench.zoo import (
     RESNET_DATA,
     RESNET_PIPELINE,
     RESNET_SINGLE,
+    SHARES,
     VIRTUAL_STAGES,
     WEIGHTS,
     functional_cnn,
@@ -74,13 +75,18 @@ def relative_distances(names: list[str], initial: list, trained: list, reference
     }
 
 
-def fit_reference(c: Contender, data: Dataset, steps: int) -> list[np.ndarray]:
+def fit_reference(c: Contender, data: Dataset, steps: int, shares: int = 1) -> list[np.ndarray]:
     """One-process Keras from the contender's initial weights: model.fit on the first
-    `steps` global batches, in order."""
+    `steps` global batches, in order; with `shares` K > 1, on batches of B/K, the optimizer
+    stepping once per K of them on their mean gradient (gradient_accumulation_steps)."""
     model = c.fresh()
     model.set_weights(c.initial)
+    if shares > 1:
+        model.optimizer.gradient_accumulation_steps = shares
     n = steps * BATCH
-    model.fit(data.x[:n], data.y[:n], batch_size=BATCH, shuffle=False, epochs=1, verbose=0)
+    model.fit(
+        data.x[:n], data.y[:n], batch_size=BATCH // shares, shuffle=False, epochs=1, verbose=0
+    )
     return model.get_weights()
 
 
@@ -165,7 +171,7 @@ def main() -> None:
         )
     references: dict[tuple, list] = {}
 
-    def compare(c: Contender, steps: int) -> dict | None:
+    def compare(contender: str, c: Contender, steps: int) -> dict | None:
         """S steps from the initial weights, then (rank 0) the distances from model.fit's."""
         c.model.set_weights(c.initial)
         with common.horovod_running(world.comm) if c.horovod else nullcontext():
@@ -175,18 +181,25 @@ def main() -> None:
         if world.rank != 0:
             return None
         names = [v.path for v in c.model.weights]
-        if (c.fresh, steps) not in references:
-            references[c.fresh, steps] = fit_reference(c, data, steps)
         trained = [gathered[name] for name in names]
-        reference = references[c.fresh, steps]
-        return {"distance": relative_distances(names, c.initial, trained, reference)}
+
+        def distance(shares: int) -> dict:
+            if (c.fresh, steps, shares) not in references:
+                references[c.fresh, steps, shares] = fit_reference(c, data, steps, shares)
+            reference = references[c.fresh, steps, shares]
+            return relative_distances(names, c.initial, trained, reference)
+
+        found = {"distance": distance(1)}
+        if SHARES.get(contender, 1) > 1:
+            found["distance_per_share"] = distance(SHARES[contender])
+        return found
 
     def measure(name: str, steps: int) -> dict | None:
         c = contenders.get(name.removeprefix(WEIGHTS))
         if c is None:  # rank 0's lone contender, on rank 1
             return None
         if name.startswith(WEIGHTS):
-            return compare(c, steps)
+            return compare(name.removeprefix(WEIGHTS), c, steps)
         with common.horovod_running(world.comm) if c.horovod else nullcontext():
             return {"seconds": engine_runner(c.engine, data)(steps)}
 
