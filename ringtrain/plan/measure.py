@@ -2,14 +2,16 @@
 
 Both ranks compute at once, as in training, and rank 0 reports. A data-parallel step's compute
 is timed as one compiled function over the whole model, the way ringtrain runs it; each
-element's F, B, BI and BW the way the pipeline executor runs them. Both at two sample counts (a
-16th and a half of the global batch: the microbatches and per-rank batches the planner
-considers lie between), fitted as fixed + per-sample seconds. Horovod's allreduce is timed at
-several sizes, the model's gradient bytes among them, and read between them along lines;
-point-to-point messages as the pipeline's own calibration times them (pipeline.calibrate). The
-resident set after TensorFlow's import (MPI started first, as in training) is the baseline a
-rank pays before any model, and the high-water mark after ringtrain's data-parallel engine's
-first block of steps what that step adds at half the batch. Rank 0 writes the JSON to --out.
+unit's F, B, BI and BW the way the pipeline executor runs them (a unit is a built-in's element
+or a block of a user's graph between valid cuts; plan/subject.py holds the two kinds). Both at
+two sample counts (a 16th and a half of the global batch: the microbatches and per-rank batches
+the planner considers lie between), fitted as fixed + per-sample seconds. Horovod's allreduce
+is timed at several sizes, the model's gradient bytes among them, and read between them along
+lines; point-to-point messages as the pipeline's own calibration times them
+(pipeline.calibrate). The resident set after TensorFlow's import (MPI started first, as in
+training) is the baseline a rank pays before any model, and the high-water mark after
+ringtrain's data-parallel engine's first block of steps what that step adds at half the batch.
+Rank 0 writes the JSON to --out.
 """
 
 from __future__ import annotations
