@@ -41,8 +41,7 @@ def validate_user_model(cfg: TrainConfig, world_size: int, given: Collection[str
     _validate_strategy_shape(cfg, world_size)
     pp_size = pp_size_of(cfg, world_size)
     _validate_pipeline(cfg, pp_size, None)
-    if cfg.bucket_mb is not None and cfg.strategy != "data":
-        raise UserError("--bucket-mb buckets the allreduce of --strategy data")
+    _validate_bucketing(cfg)
     if cfg.accumulate > 1 and cfg.strategy not in ("single", "data"):
         raise UserError(
             "--accumulate slices a data-parallel share (--strategy single or data); "
@@ -69,8 +68,7 @@ def validate_flags(cfg: TrainConfig, world_size: int, n_elements: int | None = N
         raise UserError(f"--loop fit drives data parallelism only, not --strategy {cfg.strategy}")
     if cfg.loop == "fit" and cfg.accumulate > 1:
         raise UserError("--accumulate needs --loop custom (model.fit steps once per batch)")
-    if cfg.bucket_mb is not None and (cfg.strategy != "data" or cfg.loop != "custom"):
-        raise UserError("--bucket-mb buckets the allreduce of --strategy data --loop custom")
+    _validate_bucketing(cfg)
     if cfg.split_at:
         raise UserError("--split-at names layers of a --model FUNCTION's graph, not a built-in")
     _validate_strategy_shape(cfg, world_size)
@@ -93,6 +91,13 @@ def validate_flags(cfg: TrainConfig, world_size: int, n_elements: int | None = N
     _validate_checkpointing(cfg)
     if cfg.tensorboard and cfg.loop == "fit":
         raise UserError("--tensorboard needs --loop custom (model.fit keeps its own loop)")
+
+
+def _validate_bucketing(cfg: TrainConfig) -> None:
+    """Buckets split the allreduce of ringtrain's own data-parallel step, a compiled model's
+    too; model.fit (--loop fit) and a pipeline have no such step."""
+    if cfg.bucket_mb is not None and (cfg.strategy != "data" or cfg.loop != "custom"):
+        raise UserError("--bucket-mb buckets the allreduce of --strategy data --loop custom")
 
 
 def _validate_strategy_shape(cfg: TrainConfig, world_size: int) -> None:

@@ -95,8 +95,7 @@ def _round(
     planned = Planned(model, DATASET, OPTIMIZER)
     doc = calibrate(planned, args.batch_size, args.hosts, path)
     table = plan(load_calibration(path, planned), nodes, per_node, args.batch_size)
-    base = ["--model", model, "--dataset", DATASET, "--optimizer", OPTIMIZER]
-    base += ["--batch-size", str(args.batch_size)]
+    base = [*planned.flags(), "--batch-size", str(args.batch_size)]
     measured = {}
     shift = index % len(table)
     for p in table[shift:] + table[:shift]:

@@ -142,9 +142,12 @@ def _sample_counts(batch: int) -> tuple[int, int]:
     return max(1, batch // 16), max(2, batch // 2)
 
 
-def _whole_step(subject, batch: int, tf) -> list:
+def _whole_step(subject, batch: int, tf) -> tuple[list, float]:
     """A data-parallel step's compute as ringtrain compiles it (forward, backward and the
-    optimizer in one function, over the model as one stage), fitted as fixed + per sample."""
+    optimizer in one function, over the model as one stage), fitted as fixed + per sample;
+    and the floats of optimizer state per weight that step's optimizer made (Adam's two
+    moments, momentum's one): the kind a compiled model brings decides its memory, whatever
+    its name."""
     whole = subject.plan.build(0, [(0, subject.plan.n_units)], 1)
     optimizer = subject.fresh_optimizer()
     share = np.float32(1.0)
@@ -167,18 +170,9 @@ def _whole_step(subject, batch: int, tf) -> list:
             step(x, y).numpy()
             times.append(time.perf_counter() - start)
         at[n] = median(times[1:])
-    return fit_line(at)
-
-
-def _optimizer_slots(subject) -> float:
-    """Floats of optimizer state per weight (Adam's two moments, momentum's one): the kind a
-    compiled model brings decides its memory, whatever its name."""
-    whole = subject.plan.build(0, [(0, subject.plan.n_units)], 1)
-    optimizer = subject.fresh_optimizer()
-    optimizer.build(whole.variables)
     params = sum(int(np.prod(v.shape)) for v in whole.variables)
     state = sum(int(np.prod(v.shape)) for v in optimizer.variables if len(v.shape))
-    return state / max(params, 1)
+    return fit_line(at), state / max(params, 1)
 
 
 def _engine_steps(subject, args, world) -> tuple[dict[str, float], int]:
@@ -264,8 +258,8 @@ def main(argv: list[str]) -> None:
     if args.compute:  # ringtrain's data-parallel engine first: the high-water mark is its own
         report["engine_step_seconds"], peak = _engine_steps(subject, args, world)
         report["step_peak"] = [peak - RESIDENT_AFTER_IMPORT, args.batch_size / world.size]
-        report["step_seconds"] = _whole_step(subject, args.batch_size, tf)
-        report["optimizer_slots"] = _optimizer_slots(subject)
+        step = _whole_step(subject, args.batch_size, tf)
+        report["step_seconds"], report["optimizer_slots"] = step
     world.comm.Barrier()
     allreduce = MeasuredCurve.of(_allreduce(world.comm, params * 4))
     p2p = measure_link(Link(world.comm, timeout=60.0), world.rank, P2P_SIZES, tag=7)
