@@ -216,9 +216,11 @@ class TrainConfig:
         ),
     )
     recompute: bool = field(
-        default=False,
+        default=True,
         metadata=flag(
-            "redo each stage's forward in its backward: less activation memory, more compute"
+            "pipelines: redo each microbatch's forward inside its compiled backward, which adds "
+            "the gradients up in the same graph (--no-recompute: keep its activations on an "
+            "eager tape instead, which pays when a stage's forward costs more than the tape)"
         ),
     )
     microbatches: int = field(

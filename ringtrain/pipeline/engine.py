@@ -6,10 +6,12 @@ several under interleaving or a user's schedule file, and hands tensors between 
 in memory. Used by `model` (one microbatch), `pipeline` and `hybrid` (stage gradients then
 averaged over the stage's replicas with Horovod process sets).
 
-By default a forward runs under an eager GradientTape that records the call of the stage's
-compiled function: the tape keeps that function's intermediates, and the backward runs the
-compiled gradient without redoing the forward. `--recompute` keeps only the stage's input and
-redoes the forward inside the backward, trading compute for activation memory.
+By default (`--recompute`) a forward is one compiled call that keeps only the stage's input,
+and a backward one compiled call that redoes the forward, takes the gradients and adds them
+into the stage's sums in the same graph: on these cores that costs less than an eager tape.
+`--no-recompute`, and a stage whose forward changes state (BatchNormalization, dropout),
+runs the forward under an eager GradientTape that keeps the compiled call's intermediates,
+and the backward runs the tape's compiled gradient without redoing the forward.
 
 Its neighbours hold the other jobs: a stage's pieces and codecs (stage.py), what stages are
 cut from (split.py), the partition and its profiling (profile.py), the report (report.py).
@@ -67,8 +69,7 @@ class Held:
     share: float | None  # its share of the global batch's loss (None: an equal 1/M)
     out: tf.Tensor
     tape: tf.GradientTape | None  # None under --recompute
-    upstream: tf.Tensor | None = None  # split backward: the output gradient BI received
-    weight_grads: list | None = None  # split backward: ready for BW to add
+    weight_grads: list | None = None  # split backward with a saved tape: ready for BW to add
 
 
 class Inbox:
@@ -164,6 +165,8 @@ class PipelineEngine(Checkpointable):
             s: self.plan.build(s, self.bounds, cfg.microbatches)
             for s in self.schedule.stages_on(self.pp_rank)
         }
+        for stage in self.local_stages.values():
+            stage.recomputes = cfg.recompute and not stage.stateful
         self.variables = [v for stage in self.local_stages.values() for v in stage.variables]
         self.state_variables = [v for stage in self.local_stages.values() for v in stage.weights]
         self.optimizer, self.clip_limit = self.plan.optimizer(cfg)
@@ -259,6 +262,8 @@ class PipelineEngine(Checkpointable):
         """REDUCE: once this stage's messages are out, average its gradients over replicas."""
         self.link.flush()
         stage = self.local_stages[a.stage]
+        if stage.recomputes:
+            stage.grads = stage.summed_gradients()
         stage.grads = self._average_over_replicas(stage.grads)
 
     def _step_optimizer(self, _a: Action) -> None:
@@ -325,7 +330,7 @@ class PipelineEngine(Checkpointable):
         else:
             x = self.ready.pop(consumes(a, self.n_stages))
         share = self.shares[a.mb]
-        tape = None if self.cfg.recompute else tf.GradientTape()
+        tape = None if stage.recomputes else tf.GradientTape()
         if tape is None:
             out = stage.output(x, y, share)
         else:
@@ -341,50 +346,52 @@ class PipelineEngine(Checkpointable):
 
     def _backward(self, a: Action) -> None:
         held = self.inflight.pop((a.stage, a.mb))
-        weight_grads, input_grad = self._gradients(a, held, self._upstream(a), True, True)
-        self._accumulate(a.stage, weight_grads)
-        self._hand_on(a, input_grad)
+        self._hand_on(a, self._whole_backward(a, held, self._upstream(a)))
 
     def _backward_input(self, a: Action) -> None:
-        """BI: the input gradient, handed upstream at once. With a saved tape the one backward
-        it allows makes the weight gradients too, kept for BW (so BI + BW costs one B); under
-        --recompute BW redoes the forward for them instead."""
+        """BI: the input gradient, handed upstream at once. One backward makes the weight
+        gradients too (a second would cost a whole B, or under --recompute a forward more):
+        with a saved tape they are kept for BW to add, under --recompute added at once."""
         held = self.inflight[(a.stage, a.mb)]
-        held.upstream = self._upstream(a)
-        held.weight_grads, input_grad = self._gradients(
-            a, held, held.upstream, not self.cfg.recompute, True
-        )
+        if held.tape is None:
+            self._hand_on(a, self._whole_backward(a, held, self._upstream(a)))
+            return
+        held.weight_grads, input_grad = self._gradients(a, held, self._upstream(a))
         self._hand_on(a, input_grad)
 
     def _backward_weight(self, a: Action) -> None:
         """BW: the weight gradients are added; the microbatch's activations are released."""
         held = self.inflight.pop((a.stage, a.mb))
-        if held.weight_grads is None:
-            held.weight_grads, _ = self._gradients(a, held, held.upstream, True, False)
-        self._accumulate(a.stage, held.weight_grads)
+        if held.tape is not None:
+            self._accumulate(a.stage, held.weight_grads)
+
+    def _whole_backward(self, a: Action, held: Held, upstream):
+        """Every gradient of one microbatch, the weights' added into the stage's sum; returns
+        the input gradient."""
+        stage = self.local_stages[a.stage]
+        if held.tape is None:
+            return stage.backward_into_sums(held.x, held.y, held.share, upstream, not stage.first)
+        weight_grads, input_grad = self._gradients(a, held, upstream)
+        self._accumulate(a.stage, weight_grads)
+        return input_grad
 
     def _upstream(self, a: Action) -> tf.Tensor | None:
         """The gradient of the stage's output: received, handed over, or none (the loss)."""
         need = consumes(a, self.n_stages)
         return None if need is None else self.ready.pop(need)
 
-    def _gradients(
-        self, a: Action, held: Held, upstream, weights: bool, inputs: bool
-    ) -> tuple[list | None, tf.Tensor | None]:
-        """(weight gradients or None, input gradient or None) of one microbatch on a stage."""
+    def _gradients(self, a: Action, held: Held, upstream) -> tuple[list, tf.Tensor | None]:
+        """(weight gradients, input gradient or None) of one microbatch, from its saved tape."""
         stage = self.local_stages[a.stage]
-        sources = stage.sources(held.x, weights, inputs)
+        sources = stage.sources(held.x, True, True)
         if not sources:  # a first stage with no trainable weights (a frozen extractor)
-            return ([] if weights else None), None
-        if held.tape is None:
-            grads = stage.recompute(held.x, held.y, held.share, upstream, weights, inputs)
-        else:
-            targets, upstream = stage.targets(held.out, upstream)
-            grads = held.tape.gradient(
-                targets, sources, output_gradients=upstream, unconnected_gradients="zero"
-            )
-        count = len(stage.variables) if weights else 0
-        return (grads[:count] if weights else None), stage.input_gradient(grads[count:])
+            return [], None
+        targets, upstream = stage.targets(held.out, upstream)
+        grads = held.tape.gradient(
+            targets, sources, output_gradients=upstream, unconnected_gradients="zero"
+        )
+        count = len(stage.variables)
+        return grads[:count], stage.input_gradient(grads[count:])
 
     def _accumulate(self, stage: int, grads: list) -> None:
         held = self.local_stages[stage]

@@ -1,9 +1,10 @@
 """Choosing a pipeline's partition, and the profiling the `time` partition and `plan` rest on.
 
 A unit (a built-in element, or a block of a user's graph between two valid cuts) is timed the
-way the executor runs a stage: a compiled forward under an eager tape, then the tape's
-gradients (B: weights and inputs; BI: the inputs only; BW: the weights only). Rank 0 times,
-and broadcasts, so every rank splits the model identically.
+way the executor runs a stage with --no-recompute: a compiled forward under an eager tape,
+then the tape's gradients (B: weights and inputs; BI: the inputs only; BW: the weights only).
+A partition needs the units' relative costs. Rank 0 times, and broadcasts, so every rank
+splits the model identically.
 """
 
 from __future__ import annotations

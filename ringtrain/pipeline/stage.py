@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ringtrain.gradients import add_gradients
 from ringtrain.models import forward, loss_fn, trainable_variables
 from ringtrain.tensorflow_loader import tf
 
@@ -77,7 +78,12 @@ class Stage:
         self.grads: list | None = None  # the step's sum so far: no zeros to add the first to
         # Graphs, not eager ops: per-op Python overhead would dwarf a microbatch's compute.
         self.output = tf.function(self._output)
-        self.recompute = tf.function(self._recompute)
+        self.stateful = False  # built-in elements keep no state a forward changes
+        self.recomputes = False  # the executor's choice: see changes_state for when it may
+        self.sums: list | None = None  # --recompute's gradient sums, made on first use
+        self.summing = False  # whether this step's first backward has written the sums
+        self.slices: dict[int, tf.IndexedSlices] = {}  # sparse gradients' sums, by variable
+        self._compiled_backward = tf.function(self._fused_backward)
 
     def _output(self, x: tf.Tensor, y: tf.Tensor, share=None) -> tf.Tensor:
         """The activation sent downstream or, on the last stage, its share of the loss (equal
@@ -102,19 +108,50 @@ class Stage:
     def infer(self, x):
         return forward(self.elements, x)
 
-    def _recompute(self, x, y, share, upstream, weights: bool, inputs: bool) -> list:
-        """--recompute: the forward again under a tape (only the input was kept), then the
-        gradients a full backward (B) or one half of a split one (BI, BW) needs."""
+    def backward_into_sums(self, x, y, share, upstream, inputs: bool):
+        """--recompute's whole backward in one compiled call: the forward again, every gradient,
+        and the weight gradients added into the stage's sums inside the graph (eager, the
+        tape, its per-variable adds and their Python cost more than the forward redone).
+        The step's first backward overwrites the sums, so they are never zeroed. Returns the
+        input gradient, or None."""
+        if not self.sources(x, True, inputs):  # a frozen first stage: nothing to compute
+            return None
+        if self.sums is None:
+            self.sums = [tf.Variable(tf.zeros_like(v), trainable=False) for v in self.variables]
+        first, self.summing = not self.summing, True
+        tail, slices = self._compiled_backward(x, y, share, upstream, inputs, first)
+        for i, grad in slices.items():
+            self.slices[i] = grad if first else add_gradients([self.slices[i]], [grad])[0]
+        return self.input_gradient(tail)
+
+    def _fused_backward(self, x, y, share, upstream, inputs: bool, first: bool) -> tuple:
         with tf.GradientTape() as tape:
-            tape.watch(x)
+            tape.watch(self.sources(x, False, inputs))
             out = self._output(x, y, share)
         targets, upstream = self.targets(out, upstream)
-        return tape.gradient(
+        grads = tape.gradient(
             targets,
-            self.sources(x, weights, inputs),
+            self.sources(x, True, inputs),
             output_gradients=upstream,
             unconnected_gradients="zero",
         )
+        count, slices = len(self.variables), {}
+        for i, (total, grad) in enumerate(zip(self.sums, grads[:count], strict=True)):
+            if isinstance(grad, tf.IndexedSlices):
+                # An embedding's rows, duplicates and all: Keras's optimizers update by the
+                # slices (Adam squares each), so they are kept as slices, as a tape's are.
+                slices[i] = grad
+            elif first:
+                total.assign(grad)
+            else:
+                total.assign_add(grad)
+        return grads[count:], slices
+
+    def summed_gradients(self) -> list:
+        """The step's weight-gradient sums (variables, which a compiled step reads in place;
+        an embedding's slices), and the next backward starts a new sum."""
+        self.summing = False
+        return [self.slices.get(i, total) for i, total in enumerate(self.sums or [])]
 
 
 class KerasStage(Stage):
@@ -129,8 +166,9 @@ class KerasStage(Stage):
         self.weights = list(piece.weights)
         self.float_inputs = [i for i, t in enumerate(piece.inputs) if is_float(t.dtype)]
         self.float_outputs = [i for i, t in enumerate(piece.outputs) if is_float(t.dtype)]
+        self.stateful = changes_state(piece)
         self.output = tf.function(self._output, reduce_retracing=True)
-        self.recompute = tf.function(self._recompute, reduce_retracing=True)
+        self._compiled_backward = tf.function(self._fused_backward, reduce_retracing=True)
 
     def _output(self, x: tuple, y, share=None):
         out = self.piece(list(x), training=True)
@@ -168,6 +206,20 @@ class KerasStage(Stage):
         outs = [(_per_example(t), t.dtype) for t in piece.outputs]
         grads = [(_per_example(t), t.dtype) for t in piece.inputs if is_float(t.dtype)]
         return PackedCodec(outs), PackedCodec(grads)
+
+
+def changes_state(piece) -> bool:
+    """Whether a training forward changes state: BatchNormalization's moving statistics, a
+    dropout's random seed. A forward redone in the backward would change it twice and draw
+    other masks than the forward did, so such a stage keeps its tape instead."""
+    for layer in piece._flatten_layers(include_self=False):
+        if list(layer._flatten_layers(include_self=False)):
+            continue  # a container: its leaves decide
+        weights = {id(w) for w in layer.weights}
+        seeds = [v for v in layer.non_trainable_variables if id(v) not in weights]
+        if seeds or (layer.trainable and layer.non_trainable_weights):
+            return True
+    return False
 
 
 def is_float(dtype) -> bool:
