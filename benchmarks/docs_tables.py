@@ -201,6 +201,33 @@ def strategies_table(report: dict) -> str:
     return "\n".join([intro, "", *lines, "", f"Targets: {'; '.join(verdicts)}.", *failed])
 
 
+def sizes_table(report: dict) -> str:
+    """2-stage pipelines through the CLI against one process, per global batch."""
+    lines = [
+        "| global batch | contender | samples/s (median, min–max) | × one process, per round: "
+        "median (min–max) | bubble measured |",
+        "|---|---|---|---|---|",
+    ]
+    for e in report["summary"]:
+        ratios = f"{e['vs_single_median']:.2f} ({_span(e['vs_single_per_round'], '.2f')})"
+        bubble = f"{e['bubble_measured_median']:.2f}" if "bubble_measured_median" in e else ""
+        lines.append(
+            f"| {e['global_batch']} | {e['name']} | {_range(e, 'samples_per_sec')} | {ratios} "
+            f"| {bubble} |"
+        )
+    work, steps = report["workload"], report["steps_per_launch"]
+    intro = (
+        f"`ringtrain bench pipeline-sizes` on {machine(report['machine'])}: {work['model']} on "
+        f"{work['dataset']} with {work['optimizer']}, each contender one `ringtrain train` "
+        "launch (`mpirun --bind-to core`: one process of one thread, or 2 pipeline ranks of one "
+        f"thread each) of {', '.join(f'{s} steps at batch {b}' for b, s in steps.items())}, "
+        "timed over its steps after the first; medians of "
+        f"{report['rounds']} alternating rounds{_mode(report)}, each ratio against the one "
+        "process of its own round."
+    )
+    return "\n".join([intro, "", *lines])
+
+
 def _distance(value: float | None) -> str:
     return "–" if value is None else f"{value:.2g}"
 
@@ -568,6 +595,7 @@ PAGE_RESULTS = {
     "strategies.md": (("strategies", strategies_table),),
     "zoo.md": (("zoo", zoo_table),),
     "pipeline.md": (("pipeline", pipeline_table), ("pipeline-cluster", pipeline_table)),
+    "pipeline-sizes.md": (("pipeline-sizes", sizes_table),),
     "planning.md": (
         ("plan-cluster-2gbit", plan_table),
         ("plan-cluster-200mbit", plan_table),

@@ -241,7 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         (
             "bench",
-            "benchmarks: pipeline, strategies, allreduce, dp, plan (JSON, PNG: benchmarks/results)",
+            "benchmarks: pipeline, pipeline-sizes, strategies, allreduce, dp, plan, zoo "
+            "(JSON, PNG: benchmarks/results)",
             bench.add_bench_arguments,
             bench.run_bench_command,
         ),

@@ -43,6 +43,11 @@ BENCHES = {
         "measured vs predicted bubble, GPipe vs 1F1B, P=2",
         5,
     ),
+    "pipeline-sizes": (
+        "ringtrain.bench.pipeline_sizes",
+        "2-stage pipelines through the CLI against one process, at batches 256 and 1024",
+        3,
+    ),
     "strategies": (
         "ringtrain.bench.strategies",
         "ringtrain's data and pipeline parallelism against TensorFlow's strategies",
