@@ -67,6 +67,33 @@ class PackedCodec:
         return tuple(values)
 
 
+class CompiledCall:
+    """A tf.function called through its concrete functions, found by the arguments' shapes,
+    dtypes and Python values. TensorFlow's own lookup binds and hashes the whole signature on
+    every call, which a profile of 1-example microbatches put near a compiled call's cost."""
+
+    def __init__(self, function):
+        self.function = function
+        self.concrete: dict[tuple, object] = {}
+
+    def __call__(self, *args):
+        if not tf.executing_eagerly():  # inside another graph: that graph's call, traced once
+            return self.function(*args)
+        leaves = [  # numpy values are tensors to a tf.function, as Python numbers are not
+            tf.convert_to_tensor(leaf) if isinstance(leaf, np.ndarray | np.generic) else leaf
+            for leaf in tf.nest.flatten(args)
+        ]
+        args = tf.nest.pack_sequence_as(args, leaves)
+        tensors = [leaf for leaf in leaves if isinstance(leaf, tf.Tensor)]
+        key = tuple(
+            (leaf.dtype, *leaf.shape) if isinstance(leaf, tf.Tensor) else leaf for leaf in leaves
+        )
+        concrete = self.concrete.get(key)
+        if concrete is None:
+            concrete = self.concrete[key] = self.function.get_concrete_function(*args)
+        return concrete._call_flat(tensors, concrete.captured_inputs)
+
+
 class Stage:
     """One of a built-in model's stages held by this rank: its elements, compiled functions."""
 
@@ -77,13 +104,13 @@ class Stage:
         self.weights = self.variables  # what a checkpoint and the gathered weights hold
         self.grads: list | None = None  # the step's sum so far: no zeros to add the first to
         # Graphs, not eager ops: per-op Python overhead would dwarf a microbatch's compute.
-        self.output = tf.function(self._output)
+        self.output = CompiledCall(tf.function(self._output))
         self.stateful = False  # built-in elements keep no state a forward changes
         self.recomputes = False  # the executor's choice: see changes_state for when it may
         self.sums: list | None = None  # --recompute's gradient sums, made on first use
         self.summing = False  # whether this step's first backward has written the sums
         self.slices: dict[int, tf.IndexedSlices] = {}  # sparse gradients' sums, by variable
-        self._compiled_backward = tf.function(self._fused_backward)
+        self._compiled_backward = CompiledCall(tf.function(self._fused_backward))
 
     def _output(self, x: tf.Tensor, y: tf.Tensor, share=None) -> tf.Tensor:
         """The activation sent downstream or, on the last stage, its share of the loss (equal
@@ -167,8 +194,10 @@ class KerasStage(Stage):
         self.float_inputs = [i for i, t in enumerate(piece.inputs) if is_float(t.dtype)]
         self.float_outputs = [i for i, t in enumerate(piece.outputs) if is_float(t.dtype)]
         self.stateful = changes_state(piece)
-        self.output = tf.function(self._output, reduce_retracing=True)
-        self._compiled_backward = tf.function(self._fused_backward, reduce_retracing=True)
+        self.output = CompiledCall(tf.function(self._output, reduce_retracing=True))
+        self._compiled_backward = CompiledCall(
+            tf.function(self._fused_backward, reduce_retracing=True)
+        )
 
     def _output(self, x: tuple, y, share=None):
         out = self.piece(list(x), training=True)
