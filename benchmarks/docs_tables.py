@@ -202,28 +202,30 @@ def strategies_table(report: dict) -> str:
 
 
 def sizes_table(report: dict) -> str:
-    """2-stage pipelines through the CLI against one process, per global batch."""
+    """2-stage pipelines through the CLI against one process, per workload and global batch."""
     lines = [
-        "| global batch | contender | samples/s (median, min–max) | × one process, per round: "
-        "median (min–max) | bubble measured |",
-        "|---|---|---|---|---|",
+        "| workload | global batch | contender | samples/s (median, min–max) | × one process, "
+        "per round: median (min–max) | bubble measured |",
+        "|---|---|---|---|---|---|",
     ]
     for e in report["summary"]:
         ratios = f"{e['vs_single_median']:.2f} ({_span(e['vs_single_per_round'], '.2f')})"
         bubble = f"{e['bubble_measured_median']:.2f}" if "bubble_measured_median" in e else ""
         lines.append(
-            f"| {e['global_batch']} | {e['name']} | {_range(e, 'samples_per_sec')} | {ratios} "
-            f"| {bubble} |"
+            f"| {e['workload']} | {e['global_batch']} | {e['name']} | "
+            f"{_range(e, 'samples_per_sec')} | {ratios} | {bubble} |"
         )
-    work, steps = report["workload"], report["steps_per_launch"]
+    runs = "; ".join(
+        f"{name}: {what}, "
+        + ", ".join(f"{n} steps at batch {b}" for b, n in report["steps_per_launch"][name].items())
+        for name, what in report["workloads"].items()
+    )
     intro = (
-        f"`ringtrain bench pipeline-sizes` on {machine(report['machine'])}: {work['model']} on "
-        f"{work['dataset']} with {work['optimizer']}, each contender one `ringtrain train` "
-        "launch (`mpirun --bind-to core`: one process of one thread, or 2 pipeline ranks of one "
-        f"thread each) of {', '.join(f'{s} steps at batch {b}' for b, s in steps.items())}, "
-        "timed over its steps after the first; medians of "
-        f"{report['rounds']} alternating rounds{_mode(report)}, each ratio against the one "
-        "process of its own round."
+        f"`ringtrain bench pipeline-sizes` on {machine(report['machine'])}. Workloads: {runs}. "
+        "Each contender is one `ringtrain train` launch (`mpirun --bind-to core`: one process "
+        "of one thread, or 2 pipeline ranks of one thread each), timed over its steps after "
+        f"the first; medians of {report['rounds']} alternating rounds{_mode(report)}, each "
+        "ratio against the one process of its own round."
     )
     return "\n".join([intro, "", *lines])
 

@@ -216,11 +216,11 @@ class TrainConfig:
         ),
     )
     recompute: bool = field(
-        default=True,
+        default=False,
         metadata=flag(
-            "pipelines: redo each microbatch's forward inside its compiled backward, which adds "
-            "the gradients up in the same graph (--no-recompute: keep its activations on an "
-            "eager tape instead, which pays when a stage's forward costs more than the tape)"
+            "pipelines: keep only each microbatch's input and redo its forward inside the "
+            "backward, for less memory at the cost of a forward more (default: keep its "
+            "activations)"
         ),
     )
     microbatches: int = field(

@@ -122,7 +122,7 @@ def _validate_pipeline(cfg: TrainConfig, pp_size: int, n_elements: int | None) -
     if cfg.strategy not in ("model", "pipeline", "hybrid") or plain:
         strategy = "hybrid --pp-size 1" if plain else cfg.strategy
         for flag, given in (
-            ("--no-recompute", not cfg.recompute),
+            ("--recompute", cfg.recompute),
             ("--virtual-stages", cfg.virtual_stages > 1),
         ):
             if given:

@@ -77,16 +77,16 @@ def zero_bubble(world_size: int) -> list[TrainConfig]:
             zb("mlp", "sgd", microbatches=1),
             zb("transformer", "adam", microbatches=3, mpi_progress="thread"),
             zb("mlp", "adam", microbatches=8, batch_size=64),
-            zb("mlp", "adam", microbatches=8, batch_size=64, recompute=False),
+            zb("mlp", "adam", microbatches=8, batch_size=64, recompute=True),
         ],
         3: [
             zb("transformer", "sgd", microbatches=1),
             zb("mlp", "adam", microbatches=3),
-            zb("transformer", "adam", microbatches=8, batch_size=64, recompute=False),
+            zb("transformer", "adam", microbatches=8, batch_size=64, recompute=True),
         ],
         4: [
             zb("mlp", "adam", microbatches=1),
-            zb("transformer", "sgd", microbatches=3, recompute=False),
+            zb("transformer", "sgd", microbatches=3, recompute=True),
             zb("mlp", "sgd", microbatches=8, batch_size=64, mpi_progress="thread"),
         ],
     }
@@ -104,7 +104,7 @@ def interleaved(world_size: int) -> list[TrainConfig]:
         il("transformer", "adam", microbatches=4),
         il("transformer", "sgd", microbatches=6, sync_sends=True),
         il("mlp", "adam", microbatches=6),
-        il("mlp", "adam", microbatches=6, recompute=False),
+        il("mlp", "adam", microbatches=6, recompute=True),
     ]
 
 

@@ -92,10 +92,10 @@ BAD_TRAIN_FLAGS = [
         "5 pipeline stages but model 'mlp' has only 4 layers",
     ),
     (["--strategy", "pipeline", "--schedule", "/nonexistent.json"], "cannot read the schedule"),
-    (["--no-recompute"], "--no-recompute is for pipeline stages, not --strategy data"),
+    (["--recompute"], "--recompute is for pipeline stages, not --strategy data"),
     (
-        ["--strategy", "hybrid", "--pp-size", "1", "--no-recompute"],
-        "--no-recompute is for pipeline stages, not --strategy hybrid --pp-size 1",
+        ["--strategy", "hybrid", "--pp-size", "1", "--recompute"],
+        "--recompute is for pipeline stages, not --strategy hybrid --pp-size 1",
     ),
     (
         ["--schedule", "interleaved", "--virtual-stages", "2"],

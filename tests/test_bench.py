@@ -194,18 +194,21 @@ def test_bench_strategies_quick(tmp_path):
 
 @pytest.mark.mpi
 def test_bench_pipeline_sizes_quick(tmp_path):
-    """One process and two 2-stage pipelines (the default backward and the kept tape), each a
+    """One process and two 2-stage pipelines (the default backward and --recompute), each a
     `ringtrain train` launch, take every round; each pipeline reports its bubble, and every
     ratio is to the one process of its own round."""
     report = quick_bench("pipeline-sizes", tmp_path)
     rows = report["raw"]
-    expected = {"single 1 thread @ 256", "1f1b M=8 @ 256", "1f1b M=8 kept tape @ 256"}
+    expected = {
+        f"transformer {name} @ 256"
+        for name in ("single 1 thread", "1f1b M=8", "1f1b M=8 recompute")
+    }
     assert set(rounds_per_contender(rows)) == expected
     assert all(r == [0, 1, 2] for r in rounds_per_contender(rows).values())
     assert all(r["samples_per_sec"] > 0 for r in rows)
     by_name = {e["name"]: e for e in report["summary"]}
     assert by_name["single 1 thread"]["vs_single_per_round"] == [1.0, 1.0, 1.0]
-    for name in ("1f1b M=8", "1f1b M=8 kept tape"):
+    for name in ("1f1b M=8", "1f1b M=8 recompute"):
         assert 0 <= by_name[name]["bubble_measured_median"] < 1
         assert len(by_name[name]["vs_single_per_round"]) == 3
 

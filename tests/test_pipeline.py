@@ -77,8 +77,8 @@ def test_interleaved_and_zero_bubble_cover_their_grid(grid_checks):
         configs = [r["config"] for r in results]
         twins = [c for c in configs if c["recompute"] and {**c, "recompute": False} in configs]
         assert twins, kind
-    assert all(  # the default: the forward redone inside one compiled backward
-        r["config"]["recompute"] is True for r in every if r["config"]["schedule"] == "1f1b"
+    assert all(  # the default: activations kept, no forward redone
+        r["config"]["recompute"] is False for r in every if r["config"]["schedule"] == "1f1b"
     )
     threaded = {r["pp_size"] for r in every if r["config"]["mpi_progress"] == "thread"}
     assert threaded == {2, 4}  # exact with a progress thread inside MPI during compute
@@ -154,6 +154,18 @@ def test_cli_pipeline_matches_the_independent_reference(
     assert len(steps) == 3 and steps[0] == 1 and steps == sorted(set(steps))
     events = json.loads(trace.read_text())["traceEvents"]
     assert {e["tid"] for e in events} == {0, 1}
+    # Every action's time split three ways; a computation's fixed part is its 1-example time,
+    # a receive's wait its time blocked, and the three add up to the action's whole.
+    for e in events:
+        split = [e["args"][k] for k in ("compute_ms", "fixed_ms", "wait_ms")]
+        assert min(split) >= 0 and sum(split) == pytest.approx(e["dur"] / 1e3, abs=1e-6)
+    named = {e["name"]: e["args"] for e in events}
+    assert named["0F0"]["fixed_ms"] > 0 and named["0F0"]["wait_ms"] == 0
+    assert any(e["args"]["wait_ms"] > 0 for e in events if "RA" in e["name"])
+    costs = report["calibration"]["action_costs_ms"]
+    assert {"F", "B", "RA", "SA"} <= costs.keys()
+    assert set(report["calibration"]["fixed_ms_per_microbatch"]) == {"0", "1"}
+    assert all(v > 0 for v in report["calibration"]["fixed_ms_per_microbatch"].values())
     assert gantt.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -189,3 +201,42 @@ def test_cli_refuses_a_bad_schedule_file_in_one_line(tmp_path, ranks, micro, swa
     one_line_error(done, needle)
     assert done.returncode == EXIT_USAGE
     assert len([line for line in done.stderr.splitlines() if line.strip()]) == 1, done.stderr
+
+
+def test_kept_activations_give_a_tapes_gradients():
+    """The forward/backward pair a stage calls without a tape (TensorFlow's own, reached
+    through a private class: pinned, so a change of TensorFlow's shows here first) gives a
+    tape's gradients, for the input and, summed over two microbatches, for every weight."""
+    import numpy as np
+
+    from ringtrain.models import transformer
+    from ringtrain.pipeline.split import ElementPlan
+    from ringtrain.tensorflow_loader import tf
+
+    plan = ElementPlan(transformer((8, 8, 1), 10), seed=0)
+    bounds = [(0, 1), (1, 3), (3, 4)]  # a middle stage and a last one
+    for index in (1, 2):
+        stage = plan.build(index, bounds, microbatches=2)
+        batches = [plan.stand_in(bounds, index, 5) for _ in range(2)]
+        y = tf.constant(np.arange(5) % 10)
+        expected_sums, input_grads = None, []
+        for x in batches:
+            upstream = (
+                None if stage.last else tf.random.stateless_normal((5, 8, 32), seed=(index, 1))
+            )
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                out = stage.output(x, y, None)
+            *grads, to_input = tape.gradient(out, [*stage.variables, x], upstream)
+            expected_sums = (
+                grads
+                if expected_sums is None
+                else [a + b for a, b in zip(expected_sums, grads, strict=True)]
+            )
+            made, kept = stage.forward_keeping(x, y, None)
+            np.testing.assert_array_equal(made.numpy(), out.numpy())
+            input_grads.append((stage.backward(kept, x, y, None, upstream), to_input))
+        for got, want in input_grads:
+            np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-6, atol=1e-7)
+        for got, want in zip(stage.summed_gradients(), expected_sums, strict=True):
+            np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-7)

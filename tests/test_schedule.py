@@ -505,17 +505,20 @@ def test_a_prediction_adds_measured_compute_and_the_link_s_time_per_message():
         predict(one, {(0, "F"): 1.0, (0, "B"): 1.0, (1, "F"): 1.0})
 
 
+def row(step, op, mb, start, end, stage, rank, wait=0.0) -> list:
+    """A row as a gathered trace holds it: step, op, mb, start, end, stage, fixed, wait, rank."""
+    return [step, OPS.index(op), mb, start, end, stage, 0.0, wait, rank]
+
+
 def test_calibration_takes_each_stage_s_action_times_over_the_steps_asked():
-    """Rows as a gathered trace holds them: step, op, mb, start, end, stage, rank. Every
-    action's median; for every receive the least in the pipeline (waiting is the simulator's
-    to work out)."""
-    f, b = OPS.index("F"), OPS.index("B")
+    """Every action's median; a receive's without the time it waited (waiting is the
+    simulator's to work out)."""
     rows = np.array(
         [
-            [0, f, 0, 0.0, 9.0, 0, 0],  # step 0 traced the graphs: left out
-            *([1, f, m, 0.0, 1.0 + m, 0, 0] for m in range(3)),
-            [1, b, 0, 5.0, 7.0, 1, 1],
-            [1, OPS.index("SA"), 0, 1.0, 1.1, 0, 0],  # a message: not a computation
+            row(0, "F", 0, 0.0, 9.0, 0, 0),  # step 0 traced the graphs: left out
+            *(row(1, "F", m, 0.0, 1.0 + m, 0, 0) for m in range(3)),
+            row(1, "B", 0, 5.0, 7.0, 1, 1),
+            row(1, "SA", 0, 1.0, 1.1, 0, 0),  # a message: not a computation
         ]
     )
     assert stage_seconds(rows, [1]) == {
@@ -525,8 +528,8 @@ def test_calibration_takes_each_stage_s_action_times_over_the_steps_asked():
     }
     receives = np.array(
         [
-            *([1, OPS.index("RA"), m, 0.0, 1.0 + m, 1, 1] for m in range(3)),  # each waited
-            [1, OPS.index("RG"), 0, 0.0, 0.25, 0, 0],  # its data was there: host work only
+            *(row(1, "RA", m, 0.0, 1.0 + m, 1, 1, wait=0.75 + m) for m in range(3)),
+            row(1, "RG", 0, 0.0, 0.25, 0, 0),  # its data was there: its own work only
         ]
     )
     assert stage_seconds(receives, [1]) == {(1, "RECV_ACT"): 0.25, (0, "RECV_GRAD"): 0.25}
@@ -534,15 +537,14 @@ def test_calibration_takes_each_stage_s_action_times_over_the_steps_asked():
 
 def test_calibration_keeps_each_step_and_replica_s_own_action_times():
     """Ranks 0-1 are replica 0, 2-3 replica 1 (P=2): one mapping per (step, replica), in that
-    order; every receive gets the least receive of all the steps asked, its host work."""
-    f, ra = OPS.index("F"), OPS.index("RA")
+    order; every receive gets its own work, without its wait."""
     rows = np.array(
         [
-            [step, f, 0, 0.0, step + replica / 10, 0, 2 * replica]
+            row(step, "F", 0, 0.0, step + replica / 10, 0, 2 * replica)
             for step in (1, 2)
             for replica in (0, 1)
         ]
-        + [[2, ra, 0, 0.0, 0.5, 1, 3], [1, ra, 0, 0.0, 2.0, 1, 1]]
+        + [row(2, "RA", 0, 0.0, 0.5, 1, 3), row(1, "RA", 0, 0.0, 2.0, 1, 1, wait=1.5)]
     )
     assert step_actions(rows, [1, 2], pp_size=2) == [
         {Action(0, "F", 0): 1.0, Action(1, "RECV_ACT", 0): 0.5},
@@ -572,10 +574,10 @@ def test_a_measured_step_starts_at_its_first_computation_as_the_simulated_one_do
     makespan is from its first computation to its last action."""
     rows = np.array(
         [
-            [1, OPS.index("RA"), 0, 0.0, 4.0, 1, 1],
-            [1, OPS.index("F"), 0, 3.0, 4.0, 0, 0],
-            [1, OPS.index("F"), 0, 4.0, 6.0, 1, 1],
-            [1, OPS.index("STEP"), -1, 9.0, 10.0, 0, 0],
+            row(1, "RA", 0, 0.0, 4.0, 1, 1),
+            row(1, "F", 0, 3.0, 4.0, 0, 0),
+            row(1, "F", 0, 4.0, 6.0, 1, 1),
+            row(1, "STEP", -1, 9.0, 10.0, 0, 0),
         ]
     )
     assert measured_step_seconds(rows, skip_first=False) == 7.0

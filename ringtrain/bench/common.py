@@ -45,7 +45,7 @@ BENCHES = {
     ),
     "pipeline-sizes": (
         "ringtrain.bench.pipeline_sizes",
-        "2-stage pipelines through the CLI against one process, at batches 256 and 1024",
+        "2-stage pipelines through the CLI against one process: transformer, BERT-shaped",
         3,
     ),
     "strategies": (

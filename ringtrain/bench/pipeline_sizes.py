@@ -1,14 +1,15 @@
 """`ringtrain bench pipeline-sizes`: 2-stage pipelines through the CLI, as a user runs them,
 against one process, at the sizes users run.
 
-The workload is the built-in transformer on the embedded digits with SGD, at global batches
-256 and 1024. Each measurement is one `ringtrain train` launch, timed by its own metrics
+The workloads: the built-in transformer on the embedded digits with SGD, at global batches
+256 and 1024; and a user's BERT-shaped keras-hub classifier (examples/bert_classifier.py),
+with Adam, at 256. Each measurement is one `ringtrain train` launch, timed by its own metrics
 (samples/s over its steps after the first, which traces):
 
 - one process on one core with one thread (`mpirun -np 1 --bind-to core`);
-- `mpirun -np 2 --bind-to core`: 1F1B at M = 4 and 8, and ZB-H1 at M = 8, each with the
-  default backward (the forward redone inside one compiled call) and with `--no-recompute`
-  (activations kept on an eager tape).
+- `mpirun -np 2 --bind-to core`: 1F1B at M = 4 and 8, and ZB-H1 at M = 8, with the default
+  backward (from the activations the compiled forward kept), and at M = 8 with `--recompute`
+  (only the input kept, the forward redone inside the compiled backward).
 
 Contenders alternate, round after round, in a shifted order. Every ratio is taken against the
 one process of the same round and batch, so drift over the run cancels.
@@ -28,30 +29,38 @@ from ringtrain.bench.common import deadline, summarise_contenders
 from ringtrain.bounded import run_bounded
 from ringtrain.launch.mpirun import mpi_env, mpirun_command
 
-MODEL, LR = "transformer", 0.05
-STEPS = {256: 60, 1024: 30}  # global batch -> steps per launch
-QUICK_STEPS = {256: 6}
+LR = 0.05
+BERT = Path(__file__).resolve().parents[2] / "examples" / "bert_classifier.py"
+WORKLOADS = {  # name -> (its train flags, {global batch: steps per launch}, what it is)
+    "transformer": (
+        ["--model", "transformer", "--optimizer", "sgd", "--lr", str(LR)],
+        {256: 60, 1024: 30},
+        f"ringtrain's built-in transformer on digits, SGD(learning_rate={LR})",
+    ),
+    "bert": (
+        ["--model", f"{BERT}:build", "--data", f"{BERT}:data"],
+        {256: 20},
+        "examples/bert_classifier.py (keras-hub BertBackbone: 2 layers, hidden 64, 32 tokens) "
+        "on its synthetic tokens, Adam(1e-3) as compiled",
+    ),
+}
+QUICK_STEPS = {"transformer": {256: 6}}
 SINGLE = "single 1 thread"
 PIPELINES = {  # contender -> its train flags
     "1f1b M=4": ["--schedule", "1f1b", "--microbatches", "4"],
     "1f1b M=8": ["--schedule", "1f1b", "--microbatches", "8"],
     "zb-h1 M=8": ["--schedule", "zb-h1", "--microbatches", "8"],
-    "1f1b M=8 kept tape": ["--schedule", "1f1b", "--microbatches", "8", "--no-recompute"],
-    "zb-h1 M=8 kept tape": ["--schedule", "zb-h1", "--microbatches", "8", "--no-recompute"],
+    "1f1b M=8 recompute": ["--schedule", "1f1b", "--microbatches", "8", "--recompute"],
+    "zb-h1 M=8 recompute": ["--schedule", "zb-h1", "--microbatches", "8", "--recompute"],
 }
-QUICK_PIPELINES = ["1f1b M=8", "1f1b M=8 kept tape"]
+QUICK_PIPELINES = ["1f1b M=8", "1f1b M=8 recompute"]
 LAUNCH_SECONDS = 300  # one launch: start-up, tracing and the steps, on a loaded machine
 
 
-def _command(contender: str, batch: int, steps: int, out: Path) -> list[str]:
+def _command(workload: str, contender: str, batch: int, steps: int, out: Path) -> list[str]:
     train = [
         "train",
-        "--model",
-        MODEL,
-        "--optimizer",
-        "sgd",
-        "--lr",
-        str(LR),
+        *WORKLOADS[workload][0],
         "--batch-size",
         str(batch),
         "--steps",
@@ -68,57 +77,58 @@ def _command(contender: str, batch: int, steps: int, out: Path) -> list[str]:
 
 
 def measure(args: argparse.Namespace) -> dict:
-    """Every (batch, contender) launch in turn, round after round, in a shifted order."""
-    steps = QUICK_STEPS if args.quick else STEPS
+    """Every (workload, batch, contender) launch in turn, round after round, in a shifted
+    order."""
+    sizes = QUICK_STEPS if args.quick else {w: steps for w, (_, steps, _) in WORKLOADS.items()}
     names = [SINGLE, *(QUICK_PIPELINES if args.quick else PIPELINES)]
     limit = time.monotonic() + deadline(args.quick)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         for round_index in range(args.rounds):
             shift = round_index % len(names)
-            for batch, count in steps.items():
-                for contender in names[shift:] + names[:shift]:
-                    out = Path(tmp) / "metrics.json"
-                    budget = min(LAUNCH_SECONDS, max(1.0, limit - time.monotonic()))
-                    run_bounded(
-                        _command(contender, batch, count, out),
-                        mpi_env(1),
-                        budget,
-                        Path(tmp) / "launch.log",
-                        quiet=True,
-                    )
-                    metrics = json.loads(out.read_text())
-                    rows.append(
-                        {
-                            "round": round_index,
-                            "contender": f"{contender} @ {batch}",
-                            "name": contender,
-                            "global_batch": batch,
-                            "samples_per_sec": metrics["samples_per_sec"],
-                            "bubble_measured": metrics.get("bubble_measured"),
-                            "step_time_measured": metrics.get("step_time_measured"),
-                        }
-                    )
+            for workload, steps in sizes.items():
+                for batch, count in steps.items():
+                    for contender in names[shift:] + names[:shift]:
+                        out = Path(tmp) / "metrics.json"
+                        budget = min(LAUNCH_SECONDS, max(1.0, limit - time.monotonic()))
+                        run_bounded(
+                            _command(workload, contender, batch, count, out),
+                            mpi_env(1),
+                            budget,
+                            Path(tmp) / "launch.log",
+                            quiet=True,
+                        )
+                        metrics = json.loads(out.read_text())
+                        rows.append(
+                            {
+                                "round": round_index,
+                                "contender": f"{workload} {contender} @ {batch}",
+                                "workload": workload,
+                                "name": contender,
+                                "global_batch": batch,
+                                "samples_per_sec": metrics["samples_per_sec"],
+                                "bubble_measured": metrics.get("bubble_measured"),
+                                "step_time_measured": metrics.get("step_time_measured"),
+                            }
+                        )
     return summarise(rows) | {
         "rounds": args.rounds,
-        "steps_per_launch": {str(b): s for b, s in steps.items()},
-        "workload": {
-            "model": f"{MODEL} (ringtrain's built-in)",
-            "dataset": "digits",
-            "optimizer": f"SGD(learning_rate={LR})",
-        },
+        "steps_per_launch": {w: {str(b): n for b, n in s.items()} for w, s in sizes.items()},
+        "workloads": {w: WORKLOADS[w][2] for w in sizes},
     }
 
 
 def summarise(rows: list[dict]) -> dict:
-    """Per batch: each contender's samples/s and its ratio to that round's one process."""
+    """Per workload and batch: each contender's samples/s and its ratio to that round's one
+    process."""
     summary = []
-    for batch in dict.fromkeys(r["global_batch"] for r in rows):
-        mine = [r for r in rows if r["global_batch"] == batch]
-        entries = summarise_contenders(mine, "samples_per_sec", f"{SINGLE} @ {batch}", "vs_single")
+    for workload, batch in dict.fromkeys((r["workload"], r["global_batch"]) for r in rows):
+        mine = [r for r in rows if (r["workload"], r["global_batch"]) == (workload, batch)]
+        single = f"{workload} {SINGLE} @ {batch}"
+        entries = summarise_contenders(mine, "samples_per_sec", single, "vs_single")
         for entry in entries:
             runs = [r for r in mine if r["contender"] == entry["contender"]]
-            entry |= {"name": runs[0]["name"], "global_batch": batch}
+            entry |= {"name": runs[0]["name"], "workload": workload, "global_batch": batch}
             if runs[0]["bubble_measured"] is not None:
                 entry["bubble_measured_median"] = median(r["bubble_measured"] for r in runs)
         summary += entries
@@ -129,7 +139,7 @@ def describe(report: dict) -> list[str]:
     lines = []
     for e in report["summary"]:
         line = (
-            f"{e['contender']:>26}: {e['samples_per_sec_median']:8.0f} samples/s "
+            f"{e['contender']:>38}: {e['samples_per_sec_median']:8.0f} samples/s "
             f"({e['vs_single_median']:.2f}x one process)"
         )
         if "bubble_measured_median" in e:
@@ -139,23 +149,23 @@ def describe(report: dict) -> list[str]:
 
 
 def draw(report: dict, path: str) -> None:
-    """Throughput over one process, per contender, one panel per global batch."""
+    """Throughput over one process, per contender, one panel per workload and batch."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    batches = list(dict.fromkeys(e["global_batch"] for e in report["summary"]))
-    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4), squeeze=False)
-    for ax, batch in zip(axes[0], batches, strict=True):
-        entries = [e for e in report["summary"] if e["global_batch"] == batch]
+    panels = list(dict.fromkeys((e["workload"], e["global_batch"]) for e in report["summary"]))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, panel in zip(axes[0], panels, strict=True):
+        entries = [e for e in report["summary"] if (e["workload"], e["global_batch"]) == panel]
         ax.bar(range(len(entries)), [e["vs_single_median"] for e in entries])
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xticks(
             range(len(entries)), [e["name"] for e in entries], rotation=30, ha="right", fontsize=8
         )
-        ax.set(ylabel="samples/s over one process", title=f"global batch {batch}")
-    title = "the built-in transformer through the CLI, 2 stages against one process"
+        ax.set(ylabel="samples/s over one process", title=f"{panel[0]}, global batch {panel[1]}")
+    title = "2-stage pipelines through the CLI against one process"
     fig.suptitle(textwrap.fill(title, 110), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

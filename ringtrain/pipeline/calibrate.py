@@ -25,7 +25,7 @@ import numpy as np
 
 from ringtrain.pipeline.costs import FREE_LINK, LinkModel
 from ringtrain.pipeline.ir import Action, Op
-from ringtrain.pipeline.trace import END, MB, OP, OPS, RANK, STAGE, START, STEP
+from ringtrain.pipeline.trace import END, MB, OP, OPS, RANK, STAGE, START, STEP, WAIT
 
 CALIBRATION_STEPS = 3  # after the first, which traces the graphs
 ROUNDS = 5  # timed exchanges per size, after one that sets the connection up
@@ -44,58 +44,40 @@ def calibration_steps(first: int, steps: int) -> list[int]:
 
 
 def _durations(rows: np.ndarray, steps: Collection[int]) -> list[tuple[int, Action, float]]:
-    """(step, action, seconds) of every staged row over the given steps of a gathered trace."""
+    """(step, action, seconds) of every staged row over the given steps of a gathered trace;
+    a receive's seconds are its own work, without its wait, which the simulator works out."""
     chosen = rows[np.isin(rows[:, STEP], list(steps)) & (rows[:, STAGE] >= 0)]
-    return [
-        (
-            int(row[STEP]),
-            Action(
-                int(row[STAGE]),
-                Op.of_code(OPS[int(row[OP])]),
-                None if row[MB] < 0 else int(row[MB]),
-            ),
-            float(row[END] - row[START]),
-        )
-        for row in chosen
-    ]
-
-
-def _host_work(timed: list[tuple[int, Action, float]]) -> float:
-    """A receive's own work: the least receive anywhere in the pipeline, the one whose data was
-    there. Its waits are what the simulator works out. (A stage's own least is no such thing
-    where every one of its receives waits, as the last stage's do across a slow link, and its
-    wait would be counted twice.)"""
-    return min((t for _, a, t in timed if a.op.is_recv), default=0.0)
+    timed = []
+    for row in chosen:
+        op = Op.of_code(OPS[int(row[OP])])
+        seconds = float(row[END] - row[START] - (row[WAIT] if op.is_recv else 0.0))
+        action = Action(int(row[STAGE]), op, None if row[MB] < 0 else int(row[MB]))
+        timed.append((int(row[STEP]), action, seconds))
+    return timed
 
 
 def stage_seconds(rows: np.ndarray, steps: Collection[int]) -> dict[tuple[int, Op], float]:
     """Seconds of each (stage, op) over the given steps of a gathered trace: the median of
-    every action, except a receive's, which gets only host work (`_host_work`)."""
-    timed = _durations(rows, steps)
-    host_work = _host_work(timed)
+    every action (a receive's without its wait)."""
     durations: dict[tuple[int, Op], list[float]] = {}
-    for _, a, t in timed:
+    for _, a, t in _durations(rows, steps):
         durations.setdefault((a.stage, a.op), []).append(t)
-    return {
-        key: host_work if key[1].is_recv else median(values) for key, values in durations.items()
-    }
+    return {key: median(values) for key, values in durations.items()}
 
 
 def step_actions(
     rows: np.ndarray, steps: Collection[int], pp_size: int
 ) -> list[dict[Action, float]]:
     """Each action's own seconds, one mapping per step and replica (ranks of one replica are
-    `pp_size` consecutive ranks); receives get host work only, as in `stage_seconds`."""
+    `pp_size` consecutive ranks); receives without their waits, as in `stage_seconds`."""
     chosen = rows[np.isin(rows[:, STEP], list(steps))]
-    host_work = _host_work(_durations(chosen, steps))
     dp_rank = chosen[:, RANK] // pp_size
     replays = []
     for step, which in sorted(
         {(int(s), int(r)) for s, r in zip(chosen[:, STEP], dp_rank, strict=True)}
     ):
         own = chosen[(chosen[:, STEP] == step) & (dp_rank == which)]
-        timed = _durations(own, [step])
-        replays.append({a: host_work if a.op.is_recv else t for _, a, t in timed})
+        replays.append({a: t for _, a, t in _durations(own, [step])})
     return replays
 
 

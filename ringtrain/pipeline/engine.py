@@ -6,12 +6,11 @@ several under interleaving or a user's schedule file, and hands tensors between 
 in memory. Used by `model` (one microbatch), `pipeline` and `hybrid` (stage gradients then
 averaged over the stage's replicas with Horovod process sets).
 
-By default (`--recompute`) a forward is one compiled call that keeps only the stage's input,
-and a backward one compiled call that redoes the forward, takes the gradients and adds them
-into the stage's sums in the same graph: on these cores that costs less than an eager tape.
-`--no-recompute`, and a stage whose forward changes state (BatchNormalization, dropout),
-runs the forward under an eager GradientTape that keeps the compiled call's intermediates,
-and the backward runs the tape's compiled gradient without redoing the forward.
+A forward is one compiled call that keeps the microbatch's activations, and a backward one
+compiled call that takes every gradient from them and adds the weights' into the stage's sums
+in the same graph, with no eager tape (stage.py, calls.py). With `--recompute` the forward
+keeps only the stage's input and the backward redoes it: less memory, a forward more. A stage
+whose forward changes state (BatchNormalization, dropout) always keeps its activations.
 
 Its neighbours hold the other jobs: a stage's pieces and codecs (stage.py), what stages are
 cut from (split.py), the partition and its profiling (profile.py), the report (report.py).
@@ -32,7 +31,7 @@ from ringtrain.config import TrainConfig, pp_size_of
 from ringtrain.data import shard, take, uneven_shard
 from ringtrain.dataparallel.collectives import average_gradients
 from ringtrain.evaluate import CHUNK
-from ringtrain.gradients import add_gradients, scaled_gradient
+from ringtrain.gradients import scaled_gradient
 from ringtrain.models import ModelSpec
 from ringtrain.optim import LearningRate
 from ringtrain.pipeline import report
@@ -43,14 +42,12 @@ from ringtrain.pipeline.costs import FREE_LINK
 from ringtrain.pipeline.grid import Grid
 from ringtrain.pipeline.ir import Action, Op, Tensor, carries, consumes, produces
 from ringtrain.pipeline.lower import send_when_made
-from ringtrain.pipeline.profile import choose_bounds
+from ringtrain.pipeline.profile import choose_bounds, ones_upstream, time_microbatch, untouched
 from ringtrain.pipeline.schedule import pipeline_schedule
 from ringtrain.pipeline.simulate import SimResult, simulate
 from ringtrain.pipeline.split import ElementPlan
 from ringtrain.pipeline.tags import message_tag
-from ringtrain.pipeline.trace import (
-    Trace,
-)
+from ringtrain.pipeline.trace import ALL, Trace
 from ringtrain.progress import progress_ticker
 from ringtrain.runtime import World
 from ringtrain.tensorflow_loader import tf
@@ -67,9 +64,7 @@ class Held:
     x: tf.Tensor
     y: tf.Tensor
     share: float | None  # its share of the global batch's loss (None: an equal 1/M)
-    out: tf.Tensor
-    tape: tf.GradientTape | None  # None under --recompute
-    weight_grads: list | None = None  # split backward with a saved tape: ready for BW to add
+    kept: object | None  # its kept activations (calls.Kept); None when the backward recomputes
 
 
 class Inbox:
@@ -108,15 +103,18 @@ class Inbox:
         buf = slots[self.position[t] % len(slots)]
         self.posted[t] = self.link.post_receive(buf, self.peer(t), self.tag(t), _what(t))
 
-    def take(self, t: Tensor, batch: int):
+    def take(self, t: Tensor, batch: int) -> tuple:
         """Wait for `t` (the comm deadline starts now), copy its `batch` examples out, post
-        the queue's next."""
-        value = self.codec(t).decode(self.link.complete(self.posted.pop(t)), batch)
+        the queue's next. Returns the value and the seconds waited for it."""
+        start = time.time()
+        buf = self.link.complete(self.posted.pop(t))
+        waited = time.time() - start
+        value = self.codec(t).decode(buf, batch)
         key = (t.kind, t.stage)
         after = self.position[t] + len(self.slots[key])
         if after < len(self.queues[key]):
             self._post(self.queues[key][after])
-        return value
+        return value, waited
 
 
 def _what(t: Tensor) -> str:
@@ -201,14 +199,38 @@ class PipelineEngine(Checkpointable):
         self.ticker = progress_ticker(self.pipe, cfg.mpi_progress)
         self.epoch_start = 0  # step_index where the epoch epoch_scalars() will report began
         self.link_model = FREE_LINK
-        if cfg.metrics_out or cfg.gantt:  # they report a prediction, which needs the link's
+        self.fixed_seconds: dict[tuple[int, Op], float] = {}  # (stage, F/B/BI/BW) -> seconds
+        self.waited = 0.0  # seconds the current action spent blocked on a message
+        if cfg.metrics_out or cfg.gantt or cfg.trace:  # a prediction, and the costs' split
             self.calibrate_link()
+            self.fixed_seconds = self.measure_fixed_costs()
 
     def calibrate_link(self) -> None:
         """Time messages between the first two pipeline ranks (collective in the pipeline)."""
         sizes = (8, max(self.boundary_bytes, default=8))
         tag = message_tag(self.n_stages, self.cfg.microbatches, self.n_stages)  # above all
         self.link_model = measure_link(self.link, self.pp_rank, sizes, tag)
+
+    def measure_fixed_costs(self) -> dict[tuple[int, Op], float]:
+        """Each local stage's F and B on a 1-example microbatch (the median of 5, after one
+        that traces): what a microbatch costs whatever its size, which the trace splits from
+        each action's compute. The stage's state and gradient sums are left as they were."""
+        fixed = {}
+        y = tf.nest.map_structure(tf.constant, take(self.train.y, np.arange(1)))
+        share = self.plan.loss_share(1, 1, 1)
+        for s, stage in self.local_stages.items():
+            if stage.first:
+                x = stage.first_inputs(take(self.train.x, np.arange(1)))
+            else:
+                x = self.plan.stand_in(self.bounds, s, 1)
+            with untouched(stage):
+                upstream = ones_upstream(stage, x, y, share)
+                runs = [time_microbatch(stage, x, y, share, upstream) for _ in range(6)][1:]
+            forward, backward = (float(np.median(column)) for column in zip(*runs, strict=True))
+            # BI makes and adds every gradient; BW only releases the microbatch
+            fixed |= {(s, Op.F): forward, (s, Op.B): backward, (s, Op.BI): backward}
+            fixed[(s, Op.BW)] = 0.0
+        return fixed
 
     def _who(self, rank: int) -> str:
         """How errors name a peer: its stages, and its rank for finding the process."""
@@ -252,19 +274,23 @@ class PipelineEngine(Checkpointable):
         self.inbox.post_step()
         with self.ticker:
             for action in self.actions:
-                start = time.time()
+                start, self.waited = time.time(), 0.0
                 self.dispatch[action.op](action)
-                self.trace.record(self.step_index, action.op.code, action.mb, start, action.stage)
+                fixed = self.fixed_seconds.get((action.stage, action.op), 0.0)
+                if action.op.is_message or action.op is Op.REDUCE:
+                    fixed = ALL
+                code, mb, stage = action.op.code, action.mb, action.stage
+                self.trace.record(self.step_index, code, mb, start, stage, fixed, self.waited)
         self.step_index += 1
         return self._loss_to_rank0()
 
     def _reduce(self, a: Action) -> None:
         """REDUCE: once this stage's messages are out, average its gradients over replicas."""
+        start = time.time()
         self.link.flush()
+        self.waited = time.time() - start
         stage = self.local_stages[a.stage]
-        if stage.recomputes:
-            stage.grads = stage.summed_gradients()
-        stage.grads = self._average_over_replicas(stage.grads)
+        stage.grads = self._average_over_replicas(stage.summed_gradients())
 
     def _step_optimizer(self, _a: Action) -> None:
         """STEP: at the rank's last one, clip by the norm over all stages, then apply (one
@@ -286,7 +312,7 @@ class PipelineEngine(Checkpointable):
             return grads
         start = time.time()
         grads = average_gradients(self.world.hvd, grads, self.cfg.fp16_allreduce, self.stage_set)
-        self.trace.record(self.step_index, "ALLREDUCE", -1, start)
+        self.trace.record(self.step_index, "ALLREDUCE", -1, start, wait=time.time() - start)
         return grads
 
     def _clip(self, grads: list) -> list:
@@ -330,73 +356,36 @@ class PipelineEngine(Checkpointable):
         else:
             x = self.ready.pop(consumes(a, self.n_stages))
         share = self.shares[a.mb]
-        tape = None if stage.recomputes else tf.GradientTape()
-        if tape is None:
-            out = stage.output(x, y, share)
-        else:
-            with tape:
-                if not stage.first:
-                    tape.watch(x)
-                out = stage.output(x, y, share)
+        out, kept = stage.forward(x, y, share)
         if stage.last:
             self.loss += float(out)
-        self.inflight[(a.stage, a.mb)] = Held(x, y, share, out, tape)
+        self.inflight[(a.stage, a.mb)] = Held(x, y, share, kept)
         self.peak_inflight = max(self.peak_inflight, len(self.inflight))
         self._hand_on(a, out)
 
     def _backward(self, a: Action) -> None:
-        held = self.inflight.pop((a.stage, a.mb))
-        self._hand_on(a, self._whole_backward(a, held, self._upstream(a)))
+        self._hand_on(a, self._whole_backward(a, self.inflight.pop((a.stage, a.mb))))
 
     def _backward_input(self, a: Action) -> None:
-        """BI: the input gradient, handed upstream at once. One backward makes the weight
-        gradients too (a second would cost a whole B, or under --recompute a forward more):
-        with a saved tape they are kept for BW to add, under --recompute added at once."""
-        held = self.inflight[(a.stage, a.mb)]
-        if held.tape is None:
-            self._hand_on(a, self._whole_backward(a, held, self._upstream(a)))
-            return
-        held.weight_grads, input_grad = self._gradients(a, held, self._upstream(a))
-        self._hand_on(a, input_grad)
+        """BI: the input gradient, handed upstream at once. The same backward makes the
+        weight gradients and adds them (a second pass would cost a whole B): BW has no
+        compute left."""
+        self._hand_on(a, self._whole_backward(a, self.inflight[(a.stage, a.mb)]))
 
     def _backward_weight(self, a: Action) -> None:
-        """BW: the weight gradients are added; the microbatch's activations are released."""
-        held = self.inflight.pop((a.stage, a.mb))
-        if held.tape is not None:
-            self._accumulate(a.stage, held.weight_grads)
+        """BW: the microbatch's activations are released."""
+        del self.inflight[(a.stage, a.mb)]
 
-    def _whole_backward(self, a: Action, held: Held, upstream):
-        """Every gradient of one microbatch, the weights' added into the stage's sum; returns
-        the input gradient."""
-        stage = self.local_stages[a.stage]
-        if held.tape is None:
-            return stage.backward_into_sums(held.x, held.y, held.share, upstream, not stage.first)
-        weight_grads, input_grad = self._gradients(a, held, upstream)
-        self._accumulate(a.stage, weight_grads)
-        return input_grad
+    def _whole_backward(self, a: Action, held: Held):
+        """Every gradient of one microbatch, the weights' added into the stage's sums;
+        returns the input gradient."""
+        stage, upstream = self.local_stages[a.stage], self._upstream(a)
+        return stage.backward(held.kept, held.x, held.y, held.share, upstream)
 
     def _upstream(self, a: Action) -> tf.Tensor | None:
         """The gradient of the stage's output: received, handed over, or none (the loss)."""
         need = consumes(a, self.n_stages)
         return None if need is None else self.ready.pop(need)
-
-    def _gradients(self, a: Action, held: Held, upstream) -> tuple[list, tf.Tensor | None]:
-        """(weight gradients, input gradient or None) of one microbatch, from its saved tape."""
-        stage = self.local_stages[a.stage]
-        sources = stage.sources(held.x, True, True)
-        if not sources:  # a first stage with no trainable weights (a frozen extractor)
-            return [], None
-        targets, upstream = stage.targets(held.out, upstream)
-        grads = held.tape.gradient(
-            targets, sources, output_gradients=upstream, unconnected_gradients="zero"
-        )
-        count = len(stage.variables)
-        return grads[:count], stage.input_gradient(grads[count:])
-
-    def _accumulate(self, stage: int, grads: list) -> None:
-        held = self.local_stages[stage]
-        # eager: a compiled sum's call costs more than its 30-odd adds (2.0 ms against 0.8)
-        held.grads = list(grads) if held.grads is None else add_gradients(held.grads, grads)
 
     def _hand_on(self, a: Action, value: tf.Tensor | None) -> None:
         """What a computation made for a neighbouring stage: kept for a send, or, when that
@@ -414,7 +403,7 @@ class PipelineEngine(Checkpointable):
 
     def _receive(self, a: Action) -> None:
         t = carries(a)
-        self.ready[t] = self.inbox.take(t, len(self.microbatches[t.mb]))
+        self.ready[t], self.waited = self.inbox.take(t, len(self.microbatches[t.mb]))
 
     # ---- evaluation, weights, metrics ---------------------------------------------------
     def evaluate(self) -> dict[str, float]:

@@ -1,8 +1,9 @@
 """Choosing a pipeline's partition, and the profiling the `time` partition and `plan` rest on.
 
-A unit (a built-in element, or a block of a user's graph between two valid cuts) is timed the
-way the executor runs a stage with --no-recompute: a compiled forward under an eager tape,
-then the tape's gradients (B: weights and inputs; BI: the inputs only; BW: the weights only).
+A unit (a built-in element, or a block of a user's graph between two valid cuts) is built as a
+stage on its own and timed through the executor's own calls: the compiled forward that keeps
+the activations, then the compiled backward that takes every gradient from them and adds the
+weights' into the sums. BI is a whole B and BW nothing, as the executor runs a split backward.
 A partition needs the units' relative costs. Rank 0 times, and broadcasts, so every rank
 splits the model identically.
 """
@@ -10,7 +11,7 @@ splits the model identically.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -24,32 +25,48 @@ from ringtrain.pipeline.ir import COMPUTE, Op
 from ringtrain.tensorflow_loader import tf
 
 
-def time_unit(
-    call: Callable, inputs: Sequence, weights: Sequence, repeats: int = 3
-) -> dict[Op, float]:
-    """Median seconds of F, B, BI and BW of `call(inputs)` (a list of tensors in, a tensor or
-    a list out; only float tensors carry gradients)."""
-    compiled = tf.function(call, reduce_retracing=True)
-    floats = [x for x in inputs if x.dtype.is_floating]
-    weights = list(weights)
-    wanted = {Op.B: [*weights, *floats], Op.BI: floats, Op.BW: weights}
-    timings: dict[Op, list[float]] = {op: [] for op in (Op.F, *wanted)}
-    for round_index in range(repeats + 1):  # the first round traces
-        for op, sources in wanted.items():
-            start = time.perf_counter()
-            with tf.GradientTape() as tape:
-                for x in floats:
-                    tape.watch(x)
-                out = compiled(list(inputs))
-            middle = time.perf_counter()
-            outs = out if isinstance(out, list | tuple) else [out]
-            targets = [o for o in outs if o.dtype.is_floating]
-            if sources and targets:
-                tape.gradient(targets, sources, unconnected_gradients="zero")
-            if round_index:
-                timings[Op.F].append(middle - start)
-                timings[op].append(time.perf_counter() - middle)
-    return {op: float(np.median(values)) for op, values in timings.items()}
+def time_microbatch(stage, x, y, share, upstream) -> tuple[float, float]:
+    """Seconds of one microbatch's F (the loss read on a last stage, as the executor reads it)
+    and B on `stage`, through the executor's own calls."""
+    start = time.perf_counter()
+    out, kept = stage.forward(x, y, share)
+    if stage.last:
+        float(out)
+    middle = time.perf_counter()
+    stage.backward(kept, x, y, share, upstream)
+    return middle - start, time.perf_counter() - middle
+
+
+@contextmanager
+def untouched(stage):
+    """Time a stage without changing its run: the state a training forward moves
+    (BatchNormalization's statistics, a dropout's seed) is put back, and the next backward
+    starts a new gradient sum."""
+    state = [(v, v.numpy()) for v in stage.state_variables()]
+    try:
+        yield
+    finally:
+        for variable, value in state:
+            variable.assign(value)
+        stage.summing = False
+
+
+def ones_upstream(stage, x, y=None, share=None):
+    """Ones of the shape a stage's backward starts from (None on a last stage: its loss)."""
+    if stage.last:
+        return None
+    made = stage.targets(stage.output(x, y, share), ())[0]
+    return tf.nest.map_structure(tf.ones_like, made)
+
+
+def time_unit(stage, x, repeats: int = 3) -> dict[Op, float]:
+    """Median seconds of F, B, BI and BW of one unit built as a stage of its own, on the
+    input `x`, without a loss (the last stage's is small against its layers)."""
+    stage.last = False  # read when the stage's functions trace, at their first call
+    upstream = ones_upstream(stage, x)
+    timings = [time_microbatch(stage, x, None, None, upstream) for _ in range(repeats + 1)]
+    forward, backward = (float(np.median(column)) for column in zip(*timings[1:], strict=True))
+    return {Op.F: forward, Op.B: backward, Op.BI: backward, Op.BW: 0.0}
 
 
 def _unit_seconds(plan, samples: int, comm) -> list[dict[Op, float]]:

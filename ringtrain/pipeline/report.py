@@ -10,6 +10,11 @@ from ringtrain.pipeline.calibrate import calibration_steps, stage_seconds, step_
 from ringtrain.pipeline.costs import predict_from_steps
 from ringtrain.pipeline.simulate import SimResult
 from ringtrain.pipeline.trace import (
+    FIXED,
+    MB,
+    STAGE,
+    STEP,
+    action_costs,
     measured_bubble,
     measured_step_seconds,
     timeline,
@@ -43,6 +48,19 @@ def prediction(engine, rows: np.ndarray, steps: list[int]) -> tuple[SimResult, d
         "link": engine.link_model.to_json(),
         "boundary_bytes": engine.boundary_bytes,
         "elements": engine.element_seconds,
+        "action_costs_ms": action_costs(rows, steps),
+        "fixed_ms_per_microbatch": fixed_per_microbatch(rows, steps, engine),
+    }
+
+
+def fixed_per_microbatch(rows: np.ndarray, steps: list[int], engine) -> dict[str, float]:
+    """Per stage, the milliseconds of fixed cost one microbatch pays in one replica: its F
+    and B (or BI and BW) on one example, and its messages' own work."""
+    chosen = rows[np.isin(rows[:, STEP], steps) & (rows[:, MB] >= 0)]
+    per_stage = len(steps) * engine.cfg.microbatches * engine.dp_size
+    return {
+        str(s): 1e3 * float(chosen[chosen[:, STAGE] == s][:, FIXED].sum()) / per_stage
+        for s in range(engine.n_stages)
     }
 
 

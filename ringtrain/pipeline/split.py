@@ -16,7 +16,7 @@ from ringtrain.keras_model import compiled
 from ringtrain.models import ModelSpec
 from ringtrain.optim import make_optimizer
 from ringtrain.pipeline.ir import Op, Tensor
-from ringtrain.pipeline.profile import time_unit
+from ringtrain.pipeline.profile import time_unit, untouched
 from ringtrain.pipeline.stage import FloatCodec, KerasStage, Stage, is_float
 from ringtrain.tensorflow_loader import tf
 
@@ -47,13 +47,11 @@ class ElementPlan:
 
     def unit_seconds(self, samples: int) -> list[dict[Op, float]]:
         """Each element's F, B, BI and BW on `samples` examples, built alone and dropped."""
-        timings = []
-        for i in range(len(self.spec)):
-            element = self.spec.build([i], self.seed)[0]
-            x = self.stand_in([(i, i + 1)], 0, samples)
-            call = lambda xs, e=element: e(xs[0])  # noqa: E731
-            timings.append(time_unit(call, [x], element.trainable_weights))
-        return timings
+        bounds = [(i, i + 1) for i in range(len(self.spec))]
+        return [
+            time_unit(self.build(i, bounds, 1), self.stand_in(bounds, i, samples))
+            for i in range(len(bounds))
+        ]
 
     def stand_in(self, bounds: list[tuple[int, int]], s: int, samples: int):
         """An input of stage s's shape, for timing it alone."""
@@ -126,13 +124,10 @@ class GraphPlan:
         seed) is put back, so timing leaves the run's weights as they were."""
         timings = []
         bounds = [(i, i + 1) for i in range(self.n_units)]
-        for i, block in enumerate(self.pieces(bounds)):
-            inputs = list(self.stand_in(bounds, i, samples))
-            call = lambda xs, b=block: b(xs, training=True)  # noqa: E731
-            state = [(v, v.numpy()) for v in block.variables]
-            timings.append(time_unit(call, inputs, block.trainable_variables))
-            for variable, value in state:
-                variable.assign(value)
+        for i in range(self.n_units):
+            stage = self.build(i, bounds, 1)
+            with untouched(stage):
+                timings.append(time_unit(stage, self.stand_in(bounds, i, samples)))
         return timings
 
     def stand_in(self, bounds: list[tuple[int, int]], s: int, samples: int) -> tuple:

@@ -18,6 +18,7 @@ import numpy as np
 
 from ringtrain.gradients import add_gradients
 from ringtrain.models import forward, loss_fn, trainable_variables
+from ringtrain.pipeline.calls import CompiledCall, KeptPair
 from ringtrain.tensorflow_loader import tf
 
 
@@ -67,50 +68,51 @@ class PackedCodec:
         return tuple(values)
 
 
-class CompiledCall:
-    """A tf.function called through its concrete functions, found by the arguments' shapes,
-    dtypes and Python values. TensorFlow's own lookup binds and hashes the whole signature on
-    every call, which a profile of 1-example microbatches put near a compiled call's cost."""
-
-    def __init__(self, function):
-        self.function = function
-        self.concrete: dict[tuple, object] = {}
-
-    def __call__(self, *args):
-        if not tf.executing_eagerly():  # inside another graph: that graph's call, traced once
-            return self.function(*args)
-        leaves = [  # numpy values are tensors to a tf.function, as Python numbers are not
-            tf.convert_to_tensor(leaf) if isinstance(leaf, np.ndarray | np.generic) else leaf
-            for leaf in tf.nest.flatten(args)
-        ]
-        args = tf.nest.pack_sequence_as(args, leaves)
-        tensors = [leaf for leaf in leaves if isinstance(leaf, tf.Tensor)]
-        key = tuple(
-            (leaf.dtype, *leaf.shape) if isinstance(leaf, tf.Tensor) else leaf for leaf in leaves
-        )
-        concrete = self.concrete.get(key)
-        if concrete is None:
-            concrete = self.concrete[key] = self.function.get_concrete_function(*args)
-        return concrete._call_flat(tensors, concrete.captured_inputs)
-
-
 class Stage:
-    """One of a built-in model's stages held by this rank: its elements, compiled functions."""
+    """One of a built-in model's stages held by this rank: its elements, compiled functions.
 
-    def __init__(self, index: int, n_stages: int, elements: list, microbatches: int):
+    A microbatch's backward adds its weight gradients into the stage's sums (variables, in
+    the backward's own graph), which the optimizer's compiled step reads at REDUCE. The
+    forward either keeps its activations (`forward_keeping`, the default) or only its input,
+    and the backward then redoes it (`recomputes`, --recompute: less memory, a forward more).
+    """
+
+    reduce_retracing = False  # a user's model may see a partial batch's smaller microbatch
+
+    def __init__(
+        self,
+        index: int,
+        n_stages: int,
+        elements: list,
+        microbatches: int,
+        variables: list | None = None,
+        weights: list | None = None,
+    ):
         self.index, self.first, self.last = index, index == 0, index == n_stages - 1
         self.elements, self.microbatches = elements, microbatches
-        self.variables = trainable_variables(elements)
-        self.weights = self.variables  # what a checkpoint and the gathered weights hold
-        self.grads: list | None = None  # the step's sum so far: no zeros to add the first to
-        # Graphs, not eager ops: per-op Python overhead would dwarf a microbatch's compute.
-        self.output = CompiledCall(tf.function(self._output))
+        self.variables = trainable_variables(elements) if variables is None else variables
+        # what a checkpoint and the gathered weights hold
+        self.weights = self.variables if weights is None else weights
+        self.grads: list | None = None  # the step's reduced gradients, for STEP
         self.stateful = False  # built-in elements keep no state a forward changes
         self.recomputes = False  # the executor's choice: see changes_state for when it may
-        self.sums: list | None = None  # --recompute's gradient sums, made on first use
+        self.sums: list | None = None  # the step's weight-gradient sums, made on first use
         self.summing = False  # whether this step's first backward has written the sums
         self.slices: dict[int, tf.IndexedSlices] = {}  # sparse gradients' sums, by variable
-        self._compiled_backward = CompiledCall(tf.function(self._fused_backward))
+        # Graphs, not eager ops: per-op Python overhead would dwarf a microbatch's compute.
+        self.output = CompiledCall(
+            tf.function(self._output, reduce_retracing=self.reduce_retracing)
+        )
+        # Its own function: a concrete function once run under a tape carries that tape's
+        # extra outputs, and the pair is built from the function's outputs as traced.
+        self.kept = KeptPair(
+            tf.function(self._output, reduce_retracing=self.reduce_retracing),
+            self.variables,
+            self._add_into_sums,
+        )
+        self._compiled_backward = CompiledCall(
+            tf.function(self._recomputed_backward, reduce_retracing=self.reduce_retracing)
+        )
 
     def _output(self, x: tf.Tensor, y: tf.Tensor, share=None) -> tf.Tensor:
         """The activation sent downstream or, on the last stage, its share of the loss (equal
@@ -135,23 +137,45 @@ class Stage:
     def infer(self, x):
         return forward(self.elements, x)
 
-    def backward_into_sums(self, x, y, share, upstream, inputs: bool):
-        """--recompute's whole backward in one compiled call: the forward again, every gradient,
-        and the weight gradients added into the stage's sums inside the graph (eager, the
-        tape, its per-variable adds and their Python cost more than the forward redone).
-        The step's first backward overwrites the sums, so they are never zeroed. Returns the
-        input gradient, or None."""
+    def forward(self, x, y, share) -> tuple:
+        """(the output, its kept activations or None) of one microbatch, as the stage runs."""
+        if self.recomputes:
+            return self.output(x, y, share), None
+        return self.forward_keeping(x, y, share)
+
+    def state_variables(self) -> list:
+        """What a training forward may change: none of the built-in elements' state."""
+        return [v for element in self.elements for v in element.non_trainable_variables]
+
+    def forward_keeping(self, x, y, share):
+        """(the output, its kept activations) of one microbatch."""
+        if self.first:  # no gradient flows into the model's inputs: none is computed
+            x = tf.nest.map_structure(tf.stop_gradient, x)
+        return self.kept.forward(x, y, share)
+
+    def backward(self, kept, x, y, share, upstream):
+        """One microbatch's whole backward in one compiled call: from its kept activations
+        (`kept`), or else its forward redone (eager, a tape, its per-variable adds and their
+        Python cost more than a forward redone). Its weight gradients are added into the
+        stage's sums; the step's first backward overwrites them, so they are never zeroed.
+        Returns the input gradient, or None."""
+        inputs = not self.first
         if not self.sources(x, True, inputs):  # a frozen first stage: nothing to compute
             return None
         if self.sums is None:
             self.sums = [tf.Variable(tf.zeros_like(v), trainable=False) for v in self.variables]
         first, self.summing = not self.summing, True
-        tail, slices = self._compiled_backward(x, y, share, upstream, inputs, first)
+        if kept is None:
+            tail, slices = self._compiled_backward(x, y, share, upstream, inputs, first)
+        else:
+            seeds = None if self.last else tf.nest.flatten(self.targets(None, upstream)[1])
+            grads, slices = self.kept.backward(kept, seeds, first)
+            tail = self.sources(tuple(grads) if isinstance(x, tuple) else grads[0], False, inputs)
         for i, grad in slices.items():
             self.slices[i] = grad if first else add_gradients([self.slices[i]], [grad])[0]
         return self.input_gradient(tail)
 
-    def _fused_backward(self, x, y, share, upstream, inputs: bool, first: bool) -> tuple:
+    def _recomputed_backward(self, x, y, share, upstream, inputs: bool, first: bool) -> tuple:
         with tf.GradientTape() as tape:
             tape.watch(self.sources(x, False, inputs))
             out = self._output(x, y, share)
@@ -162,17 +186,26 @@ class Stage:
             output_gradients=upstream,
             unconnected_gradients="zero",
         )
-        count, slices = len(self.variables), {}
-        for i, (total, grad) in enumerate(zip(self.sums, grads[:count], strict=True)):
+        count = len(self.variables)
+        return grads[count:], self._add_into_sums(grads[:count], first)
+
+    def _add_into_sums(self, grads: list, first: bool) -> dict:
+        """Inside a backward's graph: each weight's gradient written into (`first`) or added
+        to its sum; an embedding's slices are returned instead. None is an unused weight's."""
+        slices = {}
+        for i, (total, grad) in enumerate(zip(self.sums, grads, strict=True)):
             if isinstance(grad, tf.IndexedSlices):
                 # An embedding's rows, duplicates and all: Keras's optimizers update by the
                 # slices (Adam squares each), so they are kept as slices, as a tape's are.
                 slices[i] = grad
+            elif grad is None:
+                if first:
+                    total.assign(tf.zeros_like(total))
             elif first:
                 total.assign(grad)
             else:
                 total.assign_add(grad)
-        return grads[count:], slices
+        return slices
 
     def summed_gradients(self) -> list:
         """The step's weight-gradient sums (variables, which a compiled step reads in place;
@@ -186,18 +219,15 @@ class KerasStage(Stage):
     into it to the tensors crossing out (on the last stage, the model's outputs, whose loss
     is the user's compiled loss, weighted by the microbatch's share of the global batch)."""
 
+    reduce_retracing = True
+
     def __init__(self, index: int, n_stages: int, piece, model, microbatches: int):
         self.piece, self.model = piece, model
-        super().__init__(index, n_stages, [], microbatches)
-        self.variables = list(piece.trainable_variables)
-        self.weights = list(piece.weights)
         self.float_inputs = [i for i, t in enumerate(piece.inputs) if is_float(t.dtype)]
         self.float_outputs = [i for i, t in enumerate(piece.outputs) if is_float(t.dtype)]
+        variables, weights = list(piece.trainable_variables), list(piece.weights)
+        super().__init__(index, n_stages, [], microbatches, variables, weights)
         self.stateful = changes_state(piece)
-        self.output = CompiledCall(tf.function(self._output, reduce_retracing=True))
-        self._compiled_backward = CompiledCall(
-            tf.function(self._fused_backward, reduce_retracing=True)
-        )
 
     def _output(self, x: tuple, y, share=None):
         out = self.piece(list(x), training=True)
@@ -214,7 +244,8 @@ class KerasStage(Stage):
     def targets(self, out, upstream) -> tuple:
         if self.last:
             return out, None
-        return [out[i] for i in self.float_outputs], list(upstream)
+        made = None if out is None else [out[i] for i in self.float_outputs]
+        return made, list(upstream)
 
     def input_gradient(self, tail: list):
         return tuple(tail) if tail else None
@@ -224,6 +255,10 @@ class KerasStage(Stage):
         if isinstance(x, dict):
             return tuple(tf.constant(x[t.name.split(":")[0]]) for t in self.piece.inputs)
         return (tf.constant(x),)
+
+    def state_variables(self) -> list:
+        """What a training forward may change: BatchNormalization's statistics, seeds."""
+        return list(self.piece.non_trainable_variables)
 
     def infer(self, x: tuple):
         out = self.piece(list(x), training=False)

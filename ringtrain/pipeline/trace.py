@@ -1,6 +1,11 @@
 """Per-rank timing of every executed action, merged on rank 0 into bubble, Chrome trace, Gantt.
 
 Timestamps are wall-clock (time.time) so ranks on one node, or NTP-synced nodes, line up.
+Each action's time is split three ways: **wait** (blocked on a message or a neighbour: a
+receive's data not yet there, sends still out at REDUCE, the replicas' allreduce), **fixed**
+cost (what the action costs whatever the microbatch's size: for F and B their time on a
+1-example microbatch, measured at start-up; for messages and REDUCE, all their own work), and
+**compute**, the rest.
 """
 
 from __future__ import annotations
@@ -16,20 +21,34 @@ from ringtrain.pipeline.ir import COMPUTE, Op
 # Every action's code (schedule IR), and ALLREDUCE: the replica average inside a REDUCE.
 OPS = (*(op.code for op in Op), "ALLREDUCE")
 # The columns of a gathered trace; a rank records all but the last.
-STEP, OP, MB, START, END, STAGE, RANK = range(7)
+STEP, OP, MB, START, END, STAGE, FIXED, WAIT, RANK = range(9)
 RECORDED = RANK
+ALL = float("inf")  # a fixed cost of everything not waited: a message's or REDUCE's own work
 
 
 class Trace:
-    """Rows of (step, op, microbatch, start, end, stage) recorded on one rank."""
+    """Rows of (step, op, microbatch, start, end, stage, fixed, wait) recorded on one rank."""
 
     def __init__(self):
-        self.rows: list[tuple[int, int, int, float, float, int]] = []
+        self.rows: list[tuple] = []
 
-    def record(self, step: int, op: str, mb: int | None, start: float, stage: int = -1) -> None:
+    def record(
+        self,
+        step: int,
+        op: str,
+        mb: int | None,
+        start: float,
+        stage: int = -1,
+        fixed: float = 0.0,
+        wait: float = 0.0,
+    ) -> None:
         """`mb` is None for per-stage actions (REDUCE, STEP, ALLREDUCE), stored as -1; so is
-        the stage of what belongs to no one stage."""
-        row = (step, OPS.index(op), -1 if mb is None else mb, start, time.time(), stage)
+        the stage of what belongs to no one stage. `wait` and `fixed` seconds are capped at
+        the action's time; compute is what they leave."""
+        end = time.time()
+        wait = min(wait, end - start)
+        fixed = min(fixed, end - start - wait)
+        row = (step, OPS.index(op), -1 if mb is None else mb, start, end, stage, fixed, wait)
         self.rows.append(row)
 
     def gather(self, comm, since: int = 0) -> np.ndarray | None:
@@ -95,31 +114,63 @@ def _steps(rows: np.ndarray, skip_first: bool) -> list[int]:
 
 
 def timeline(rows: np.ndarray, pp_size: int, step: int, dp_rank: int = 0) -> list[list]:
-    """(label, start, end) per pipeline rank for one step of one replica, labelled like the
-    schedule's actions ("1F3"): what draw_gantt takes."""
+    """(label, start, end, fixed seconds) per pipeline rank for one step of one replica: each
+    computation labelled like the schedule's actions ("1F3"), and each receive's wait
+    ("wait"). What draw_gantt takes."""
     lanes: list[list] = [[] for _ in range(pp_size)]
-    for _step, op, mb, start, end, stage, rank in computations(rows[rows[:, STEP] == step]):
-        if int(rank) // pp_size == dp_rank:
-            label = f"{int(stage)}{OPS[int(op)]}{int(mb)}"
-            lanes[int(rank) % pp_size].append((label, start, end))
+    for row in rows[rows[:, STEP] == step]:
+        rank, code = int(row[RANK]), OPS[int(row[OP])]
+        if rank // pp_size != dp_rank:
+            continue
+        if code in COMPUTE_CODES:
+            label = f"{int(row[STAGE])}{code}{int(row[MB])}"
+            lanes[rank % pp_size].append((label, row[START], row[END], row[FIXED]))
+        elif row[WAIT] > 0 and code in RECEIVE_CODES:
+            lanes[rank % pp_size].append(("wait", row[START], row[START] + row[WAIT], 0.0))
     return lanes
 
 
+COMPUTE_CODES = {op.code for op in COMPUTE}
+RECEIVE_CODES = {op.code for op in Op if op.is_recv}
+
+
+def split_ms(row: np.ndarray) -> dict[str, float]:
+    """An action's milliseconds of compute, fixed cost and wait."""
+    spent = row[END] - row[START]
+    return {
+        "compute_ms": 1e3 * (spent - row[FIXED] - row[WAIT]),
+        "fixed_ms": 1e3 * row[FIXED],
+        "wait_ms": 1e3 * row[WAIT],
+    }
+
+
+def action_costs(rows: np.ndarray, steps: list[int]) -> dict[str, dict[str, float]]:
+    """Per action kind (F, B, RECV_ACT, ...), the median milliseconds of compute, fixed cost
+    and wait per action over the given steps."""
+    chosen = rows[np.isin(rows[:, STEP], steps)]
+    costs = {}
+    for code in dict.fromkeys(OPS[int(op)] for op in chosen[:, OP]):
+        splits = [split_ms(row) for row in chosen[chosen[:, OP] == OPS.index(code)]]
+        costs[code] = {key: float(median(s[key] for s in splits)) for key in splits[0]}
+    return costs
+
+
 def write_chrome_trace(rows: np.ndarray, pp_size: int, path: str) -> None:
-    """chrome://tracing / Perfetto format: one process per replica, one thread per stage."""
+    """chrome://tracing / Perfetto format: one process per replica, one thread per stage;
+    each action's compute, fixed cost and wait in its arguments."""
     t0 = rows[:, START].min()
     events = [
         {
-            "name": f"{_stage(stage)}{OPS[int(op)]}{int(mb) if int(mb) >= 0 else ''}",
+            "name": f"{_stage(row[STAGE])}{OPS[int(row[OP])]}{_microbatch(row[MB])}",
             "ph": "X",
             "cat": "step",
-            "ts": (start - t0) * 1e6,
-            "dur": (end - start) * 1e6,
-            "pid": int(rank) // pp_size,
-            "tid": int(rank) % pp_size,
-            "args": {"step": int(step), "rank": int(rank)},
+            "ts": (row[START] - t0) * 1e6,
+            "dur": (row[END] - row[START]) * 1e6,
+            "pid": int(row[RANK]) // pp_size,
+            "tid": int(row[RANK]) % pp_size,
+            "args": {"step": int(row[STEP]), "rank": int(row[RANK])} | split_ms(row),
         }
-        for step, op, mb, start, end, stage, rank in rows
+        for row in rows
     ]
     with open(path, "w") as out:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, out)
@@ -127,3 +178,7 @@ def write_chrome_trace(rows: np.ndarray, pp_size: int, path: str) -> None:
 
 def _stage(stage: float) -> str:
     return "" if stage < 0 else str(int(stage))
+
+
+def _microbatch(mb: float) -> str:
+    return str(int(mb)) if mb >= 0 else ""

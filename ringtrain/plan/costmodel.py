@@ -40,7 +40,7 @@ from ringtrain.pipeline.partition import balanced
 from ringtrain.pipeline.schedule import build_schedule
 from ringtrain.pipeline.simulate import simulate
 
-FORMAT = "ringtrain-calibration/4"
+FORMAT = "ringtrain-calibration/5"
 FLOAT_BYTES = 4
 OPTIMIZER_SLOTS = {"sgd": 0, "adam": 2}  # float slots per weight (Adam: two moments)
 SCHEDULE_KINDS = ("gpipe", "1f1b", "zb-h1")
@@ -270,7 +270,7 @@ def predict_pipeline(cal: Calibration, candidate: Candidate, nodes: int, batch: 
     for s, bound in enumerate(bounds):
         ranged = {op: _linear(fit, microbatch) for op, fit in cal.stages[bound].items()}
         extra = executor_overhead(cal, s == 0, s == pp_size - 1, microbatch)
-        # with a saved tape BI makes every gradient (a B less its adds), and BW only adds
+        # BI makes and adds every gradient (a whole B); BW only releases the microbatch
         ranged[Op.BI] = max(ranged[Op.B] - ranged[Op.BW], 0.0)
         extra[Op.BI], extra[Op.BW] = extra[Op.B], 0.0
         for op in (*COMPUTE, Op.STEP):

@@ -58,14 +58,17 @@ def _element_seconds(subject, batch: int) -> list[dict]:
 
 def _stage_ranges(subject, batch: int, tf) -> list[dict]:
     """Every contiguous range of units as one pipeline stage, run the way the executor runs
-    it (the stage the plan builds): F, the compiled output under an eager tape (the loss read
-    on the last stage); B, the tape's gradient for weights and input plus the accumulating
-    adds; BW, the adds alone (with a saved tape BI makes every gradient and BW only adds them);
-    STEP, the compiled optimizer step over the range's weights. Fitted as fixed + per sample.
+    it (the stage the plan builds, its own calls): F, the compiled forward that keeps the
+    activations (the loss read on the last stage); B, the compiled backward that takes every
+    gradient from them and adds the weights' into the stage's sums; BW, nothing (BI makes and
+    adds every gradient, and BW only releases the microbatch); STEP, the compiled optimizer
+    step over the range's weights. Fitted as fixed + per sample.
 
     Each round times every range at both sizes once, so each figure's REPEATS timings are
     spread over the whole pass: this machine's speed moves by tens of percent over a fraction
     of a second, and timings taken back to back all fell in one such spell."""
+    from ringtrain.pipeline.profile import ones_upstream, time_microbatch
+
     plan, n = subject.plan, subject.plan.n_units
     share = np.float32(1.0)
     cases = []
@@ -89,40 +92,20 @@ def _stage_ranges(subject, batch: int, tf) -> list[dict]:
                     if stage.first
                     else plan.stand_in(bounds, index, samples)
                 )
-                upstream = None
-                if not stage.last:  # ones, of the shape of what the backward starts from
-                    made = stage.targets(stage.output(x, y, share), ())[0]
-                    upstream = tf.nest.map_structure(tf.ones_like, made)
-                zeros = [tf.zeros_like(v) for v in stage.variables]
-                cases.append((a, b, samples, stage, apply, x, y, upstream, zeros))
+                upstream = ones_upstream(stage, x, y, share)
+                cases.append((a, b, samples, stage, apply, x, y, upstream))
     ops = ("F", "B", "BW", "STEP")
     times = {case[:3]: {op: [] for op in ops} for case in cases}
     for round_index in range(REPEATS + 1):  # the first traces
-        for a, b, samples, stage, apply, x, y, upstream, zeros in cases:
-            t0 = time.perf_counter()
-            with tf.GradientTape() as tape:
-                tape.watch(stage.sources(x, False, True))
-                out = stage.output(x, y, share)
-            if stage.last:
-                float(out)
-            t1 = time.perf_counter()
-            targets, start = stage.targets(out, upstream)
-            made = tape.gradient(
-                targets,
-                stage.sources(x, True, True),
-                output_gradients=start,
-                unconnected_gradients="zero",
-            )
-            t2 = time.perf_counter()
-            grads = [g + d for g, d in zip(zeros, made, strict=False)]
-            t3 = time.perf_counter()
-            apply(grads)
-            t4 = time.perf_counter()
+        for a, b, samples, stage, apply, x, y, upstream in cases:
+            forward, backward = time_microbatch(stage, x, y, share, upstream)
+            start = time.perf_counter()
+            apply(stage.summed_gradients())
+            step = time.perf_counter() - start
             if round_index:
                 timed = times[(a, b, samples)]
-                for op, seconds in (("F", t1 - t0), ("B", t3 - t1), ("BW", t3 - t2)):
+                for op, seconds in (("F", forward), ("B", backward), ("BW", 0.0), ("STEP", step)):
                     timed[op].append(seconds)
-                timed["STEP"].append(t4 - t3)
     found = []
     for a, b in dict.fromkeys(key[:2] for key in times):  # the ranges, in order
         at = {
