@@ -205,15 +205,17 @@ def sizes_table(report: dict) -> str:
     """2-stage pipelines through the CLI against one process, per workload and global batch."""
     lines = [
         "| workload | global batch | contender | samples/s (median, min–max) | × one process, "
-        "per round: median (min–max) | bubble measured |",
-        "|---|---|---|---|---|---|",
+        "per round: median (min–max) | bubble measured | fixed cost, ms per microbatch |",
+        "|---|---|---|---|---|---|---|",
     ]
     for e in report["summary"]:
         ratios = f"{e['vs_single_median']:.2f} ({_span(e['vs_single_per_round'], '.2f')})"
         bubble = f"{e['bubble_measured_median']:.2f}" if "bubble_measured_median" in e else ""
+        fixed = e.get("fixed_ms_per_microbatch_median")
         lines.append(
             f"| {e['workload']} | {e['global_batch']} | {e['name']} | "
-            f"{_range(e, 'samples_per_sec')} | {ratios} | {bubble} |"
+            f"{_range(e, 'samples_per_sec')} | {ratios} | {bubble} | "
+            f"{'' if fixed is None else f'{fixed:.2f}'} |"
         )
     runs = "; ".join(
         f"{name}: {what}, "

@@ -210,6 +210,7 @@ def test_bench_pipeline_sizes_quick(tmp_path):
     assert by_name["single 1 thread"]["vs_single_per_round"] == [1.0, 1.0, 1.0]
     for name in ("1f1b M=8", "1f1b M=8 recompute"):
         assert 0 <= by_name[name]["bubble_measured_median"] < 1
+        assert by_name[name]["fixed_ms_per_microbatch_median"] > 0
         assert len(by_name[name]["vs_single_per_round"]) == 3
 
 

@@ -99,6 +99,7 @@ def measure(args: argparse.Namespace) -> dict:
                             quiet=True,
                         )
                         metrics = json.loads(out.read_text())
+                        fixed = metrics.get("calibration", {}).get("fixed_ms_per_microbatch")
                         rows.append(
                             {
                                 "round": round_index,
@@ -109,6 +110,8 @@ def measure(args: argparse.Namespace) -> dict:
                                 "samples_per_sec": metrics["samples_per_sec"],
                                 "bubble_measured": metrics.get("bubble_measured"),
                                 "step_time_measured": metrics.get("step_time_measured"),
+                                # the stage that pays most, per microbatch, whatever its size
+                                "fixed_ms_per_microbatch": max(fixed.values()) if fixed else None,
                             }
                         )
     return summarise(rows) | {
@@ -131,6 +134,8 @@ def summarise(rows: list[dict]) -> dict:
             entry |= {"name": runs[0]["name"], "workload": workload, "global_batch": batch}
             if runs[0]["bubble_measured"] is not None:
                 entry["bubble_measured_median"] = median(r["bubble_measured"] for r in runs)
+                fixed = median(r["fixed_ms_per_microbatch"] for r in runs)
+                entry["fixed_ms_per_microbatch_median"] = fixed
         summary += entries
     return {"raw": rows, "summary": summary}
 
@@ -144,6 +149,7 @@ def describe(report: dict) -> list[str]:
         )
         if "bubble_measured_median" in e:
             line += f"  bubble {e['bubble_measured_median']:.2f}"
+            line += f"  fixed {e['fixed_ms_per_microbatch_median']:.2f} ms/microbatch"
         lines.append(line)
     return lines
 
