@@ -39,8 +39,9 @@ def call_key(args: tuple) -> tuple[tuple, list, tuple]:
         for leaf in tf.nest.flatten(args)
     ]
     tensors = [leaf for leaf in leaves if isinstance(leaf, tf.Tensor)]
-    key = tuple(
-        (leaf.dtype, *leaf.shape) if isinstance(leaf, tf.Tensor) else leaf for leaf in leaves
+    key = tuple(  # an eager tensor's shape tuple: its TensorShape costs more to build
+        (leaf.dtype, leaf._shape_tuple()) if isinstance(leaf, tf.Tensor) else leaf
+        for leaf in leaves
     )
     return tf.nest.pack_sequence_as(args, leaves), tensors, key
 

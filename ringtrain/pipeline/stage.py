@@ -155,10 +155,10 @@ class Stage:
 
     def backward(self, kept, x, y, share, upstream):
         """One microbatch's whole backward in one compiled call: from its kept activations
-        (`kept`), or else its forward redone (eager, a tape, its per-variable adds and their
-        Python cost more than a forward redone). Its weight gradients are added into the
-        stage's sums; the step's first backward overwrites them, so they are never zeroed.
-        Returns the input gradient, or None."""
+        (`kept`), or else (--recompute) with its forward redone in the same call. Its weight
+        gradients are added into the stage's sums in that call's graph; the step's first
+        backward overwrites them, so they are never zeroed. Returns the input gradient, or
+        None."""
         inputs = not self.first
         if not self.sources(x, True, inputs):  # a frozen first stage: nothing to compute
             return None
