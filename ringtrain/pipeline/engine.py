@@ -42,7 +42,7 @@ from ringtrain.pipeline.costs import FREE_LINK
 from ringtrain.pipeline.grid import Grid
 from ringtrain.pipeline.ir import Action, Op, Tensor, carries, consumes, produces
 from ringtrain.pipeline.lower import send_when_made
-from ringtrain.pipeline.profile import choose_bounds, ones_upstream, time_microbatch, untouched
+from ringtrain.pipeline.profile import choose_bounds, microbatch_seconds, untouched
 from ringtrain.pipeline.schedule import pipeline_schedule
 from ringtrain.pipeline.simulate import SimResult, simulate
 from ringtrain.pipeline.split import ElementPlan
@@ -204,6 +204,13 @@ class PipelineEngine(Checkpointable):
         if cfg.metrics_out or cfg.gantt or cfg.trace:  # a prediction, and the costs' split
             self.calibrate_link()
             self.fixed_seconds = self.measure_fixed_costs()
+        # Each action's fixed cost for the trace: a message's or REDUCE's own work is all fixed.
+        self.action_fixed = [
+            ALL
+            if a.op.is_message or a.op is Op.REDUCE
+            else self.fixed_seconds.get((a.stage, a.op), 0.0)
+            for a in self.actions
+        ]
 
     def calibrate_link(self) -> None:
         """Time messages between the first two pipeline ranks (collective in the pipeline)."""
@@ -224,12 +231,8 @@ class PipelineEngine(Checkpointable):
             else:
                 x = self.plan.stand_in(self.bounds, s, 1)
             with untouched(stage):
-                upstream = ones_upstream(stage, x, y, share)
-                runs = [time_microbatch(stage, x, y, share, upstream) for _ in range(6)][1:]
-            forward, backward = (float(np.median(column)) for column in zip(*runs, strict=True))
-            # BI makes and adds every gradient; BW only releases the microbatch
-            fixed |= {(s, Op.F): forward, (s, Op.B): backward, (s, Op.BI): backward}
-            fixed[(s, Op.BW)] = 0.0
+                seconds = microbatch_seconds(stage, x, y, share, repeats=5)
+            fixed |= {(s, op): value for op, value in seconds.items()}
         return fixed
 
     def _who(self, rank: int) -> str:
@@ -273,12 +276,9 @@ class PipelineEngine(Checkpointable):
         self.outbox: dict[Tensor, tf.Tensor] = {}  # computed, for a send action to take
         self.inbox.post_step()
         with self.ticker:
-            for action in self.actions:
+            for action, fixed in zip(self.actions, self.action_fixed, strict=True):
                 start, self.waited = time.time(), 0.0
                 self.dispatch[action.op](action)
-                fixed = self.fixed_seconds.get((action.stage, action.op), 0.0)
-                if action.op.is_message or action.op is Op.REDUCE:
-                    fixed = ALL
                 code, mb, stage = action.op.code, action.mb, action.stage
                 self.trace.record(self.step_index, code, mb, start, stage, fixed, self.waited)
         self.step_index += 1

@@ -59,14 +59,20 @@ def ones_upstream(stage, x, y=None, share=None):
     return tf.nest.map_structure(tf.ones_like, made)
 
 
-def time_unit(stage, x, repeats: int = 3) -> dict[Op, float]:
-    """Median seconds of F, B, BI and BW of one unit built as a stage of its own, on the
-    input `x`, without a loss (the last stage's is small against its layers)."""
-    stage.last = False  # read when the stage's functions trace, at their first call
-    upstream = ones_upstream(stage, x)
-    timings = [time_microbatch(stage, x, None, None, upstream) for _ in range(repeats + 1)]
+def microbatch_seconds(stage, x, y=None, share=None, repeats: int = 3) -> dict[Op, float]:
+    """Median seconds of a stage's F, B, BI and BW on the input `x` over `repeats` runs, after
+    one that traces: BI is a whole B and BW nothing, as the executor runs a split backward."""
+    upstream = ones_upstream(stage, x, y, share)
+    timings = [time_microbatch(stage, x, y, share, upstream) for _ in range(repeats + 1)]
     forward, backward = (float(np.median(column)) for column in zip(*timings[1:], strict=True))
     return {Op.F: forward, Op.B: backward, Op.BI: backward, Op.BW: 0.0}
+
+
+def time_unit(stage, x, repeats: int = 3) -> dict[Op, float]:
+    """`microbatch_seconds` of one unit built as a stage of its own, without a loss (the last
+    stage's is small against its layers)."""
+    stage.last = False  # read when the stage's functions trace, at their first call
+    return microbatch_seconds(stage, x, repeats=repeats)
 
 
 def _unit_seconds(plan, samples: int, comm) -> list[dict[Op, float]]:

@@ -24,6 +24,8 @@ OPS = (*(op.code for op in Op), "ALLREDUCE")
 STEP, OP, MB, START, END, STAGE, FIXED, WAIT, RANK = range(9)
 RECORDED = RANK
 ALL = float("inf")  # a fixed cost of everything not waited: a message's or REDUCE's own work
+COMPUTE_CODES = {op.code for op in COMPUTE}
+RECEIVE_CODES = {op.code for op in Op if op.is_recv}
 
 
 class Trace:
@@ -128,10 +130,6 @@ def timeline(rows: np.ndarray, pp_size: int, step: int, dp_rank: int = 0) -> lis
         elif row[WAIT] > 0 and code in RECEIVE_CODES:
             lanes[rank % pp_size].append(("wait", row[START], row[START] + row[WAIT], 0.0))
     return lanes
-
-
-COMPUTE_CODES = {op.code for op in COMPUTE}
-RECEIVE_CODES = {op.code for op in Op if op.is_recv}
 
 
 def split_ms(row: np.ndarray) -> dict[str, float]:
