@@ -229,6 +229,38 @@ def sizes_table(report: dict) -> str:
         f"the first; medians of {report['rounds']} alternating rounds{_mode(report)}, each "
         "ratio against the one process of its own round."
     )
+    return "\n".join([intro, "", *lines, "", fixed_profile_table(report)])
+
+
+def fixed_profile_table(report: dict) -> str:
+    """Where each stage's fixed cost per microbatch goes, action by action, for the pipelines
+    with the default backward."""
+    lines = [
+        "| workload | global batch | contender | stage | F | B (ZB-H1: BI + BW) | send | "
+        "receive | per microbatch | empty compiled call |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for e in report["summary"]:
+        if "fixed_ms_per_action_median" not in e or "recompute" in e["name"]:
+            continue
+        for stage, ops in e["fixed_ms_per_action_median"].items():
+            backward = sum(ops.get(op, 0.0) for op in ("B", "BI", "BW"))
+            send = sum(ops.get(op, 0.0) for op in ("SA", "SG"))
+            receive = sum(ops.get(op, 0.0) for op in ("RA", "RG"))
+            total = ops["F"] + backward + send + receive
+            lines.append(
+                f"| {e['workload']} | {e['global_batch']} | {e['name']} | {stage} | "
+                f"{ops['F']:.2f} | {backward:.2f} | {send:.2f} | {receive:.2f} | {total:.2f} | "
+                f"{e['call_floor_ms_median']:.2f} |"
+            )
+    intro = (
+        "Where a microbatch's fixed cost goes, action by action, in milliseconds: each "
+        "action's fixed part (the median over a launch's calibration steps, then over the "
+        "rounds). F and B are the stage's own calls on a 1-example microbatch, timed at "
+        "start-up; a message's fixed part is all its own work, its wait left out. The last "
+        "column is a compiled call that does no work, called as the executor calls a stage "
+        "and timed on rank 0: every F and B pays it before any of its own work."
+    )
     return "\n".join([intro, "", *lines])
 
 

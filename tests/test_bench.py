@@ -211,6 +211,9 @@ def test_bench_pipeline_sizes_quick(tmp_path):
     for name in ("1f1b M=8", "1f1b M=8 recompute"):
         assert 0 <= by_name[name]["bubble_measured_median"] < 1
         assert by_name[name]["fixed_ms_per_microbatch_median"] > 0
+        assert by_name[name]["call_floor_ms_median"] > 0
+        profile = by_name[name]["fixed_ms_per_action_median"]  # action by action, per stage
+        assert set(profile) == {"0", "1"} and profile["0"]["F"] > 0 and profile["1"]["B"] > 0
         assert len(by_name[name]["vs_single_per_round"]) == 3
 
 

@@ -162,8 +162,11 @@ def test_cli_pipeline_matches_the_independent_reference(
     named = {e["name"]: e["args"] for e in events}
     assert named["0F0"]["fixed_ms"] > 0 and named["0F0"]["wait_ms"] == 0
     assert any(e["args"]["wait_ms"] > 0 for e in events if "RA" in e["name"])
-    costs = report["calibration"]["action_costs_ms"]
-    assert {"F", "B", "RA", "SA"} <= costs.keys()
+    costs = report["calibration"]["action_costs_ms"]  # per stage, per kind of action
+    assert {"F", "B", "SA", "RG"} <= costs["0"].keys() and {"F", "B", "RA", "SG"} <= costs[
+        "1"
+    ].keys()
+    assert costs["0"]["F"]["fixed_ms"] > 0 and report["calibration"]["call_floor_ms"] > 0
     assert set(report["calibration"]["fixed_ms_per_microbatch"]) == {"0", "1"}
     assert all(v > 0 for v in report["calibration"]["fixed_ms_per_microbatch"].values())
     assert gantt.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -99,7 +99,8 @@ def measure(args: argparse.Namespace) -> dict:
                             quiet=True,
                         )
                         metrics = json.loads(out.read_text())
-                        fixed = metrics.get("calibration", {}).get("fixed_ms_per_microbatch")
+                        calibration = metrics.get("calibration", {})
+                        fixed = calibration.get("fixed_ms_per_microbatch")
                         rows.append(
                             {
                                 "round": round_index,
@@ -112,12 +113,27 @@ def measure(args: argparse.Namespace) -> dict:
                                 "step_time_measured": metrics.get("step_time_measured"),
                                 # the stage that pays most, per microbatch, whatever its size
                                 "fixed_ms_per_microbatch": max(fixed.values()) if fixed else None,
+                                "fixed_ms_per_action": fixed_per_action(calibration),
+                                "call_floor_ms": calibration.get("call_floor_ms"),
                             }
                         )
     return summarise(rows) | {
         "rounds": args.rounds,
         "steps_per_launch": {w: {str(b): n for b, n in s.items()} for w, s in sizes.items()},
         "workloads": {w: WORKLOADS[w][2] for w in sizes},
+    }
+
+
+def fixed_per_action(calibration: dict) -> dict[str, dict[str, float]] | None:
+    """Per stage and kind of action, the median fixed milliseconds one action paid: the
+    profile of a microbatch's fixed cost, action by action."""
+    costs = calibration.get("action_costs_ms")
+    if costs is None:
+        return None
+    return {
+        stage: {op: split["fixed_ms"] for op, split in ops.items()}
+        for stage, ops in costs.items()
+        if int(stage) >= 0
     }
 
 
@@ -136,6 +152,13 @@ def summarise(rows: list[dict]) -> dict:
                 entry["bubble_measured_median"] = median(r["bubble_measured"] for r in runs)
                 fixed = median(r["fixed_ms_per_microbatch"] for r in runs)
                 entry["fixed_ms_per_microbatch_median"] = fixed
+                entry["call_floor_ms_median"] = median(r["call_floor_ms"] for r in runs)
+                entry["fixed_ms_per_action_median"] = {
+                    stage: {
+                        op: median(r["fixed_ms_per_action"][stage][op] for r in runs) for op in ops
+                    }
+                    for stage, ops in runs[0]["fixed_ms_per_action"].items()
+                }
         summary += entries
     return {"raw": rows, "summary": summary}
 
@@ -150,6 +173,7 @@ def describe(report: dict) -> list[str]:
         if "bubble_measured_median" in e:
             line += f"  bubble {e['bubble_measured_median']:.2f}"
             line += f"  fixed {e['fixed_ms_per_microbatch_median']:.2f} ms/microbatch"
+            line += f" (empty call {e['call_floor_ms_median']:.2f} ms)"
         lines.append(line)
     return lines
 

@@ -42,7 +42,12 @@ from ringtrain.pipeline.costs import FREE_LINK
 from ringtrain.pipeline.grid import Grid
 from ringtrain.pipeline.ir import Action, Op, Tensor, carries, consumes, produces
 from ringtrain.pipeline.lower import send_when_made
-from ringtrain.pipeline.profile import choose_bounds, microbatch_seconds, untouched
+from ringtrain.pipeline.profile import (
+    call_floor_seconds,
+    choose_bounds,
+    microbatch_seconds,
+    untouched,
+)
 from ringtrain.pipeline.schedule import pipeline_schedule
 from ringtrain.pipeline.simulate import SimResult, simulate
 from ringtrain.pipeline.split import ElementPlan
@@ -200,10 +205,12 @@ class PipelineEngine(Checkpointable):
         self.epoch_start = 0  # step_index where the epoch epoch_scalars() will report began
         self.link_model = FREE_LINK
         self.fixed_seconds: dict[tuple[int, Op], float] = {}  # (stage, F/B/BI/BW) -> seconds
+        self.call_floor = 0.0  # seconds of a compiled call that does no work, when measured
         self.waited = 0.0  # seconds the current action spent blocked on a message
         if cfg.metrics_out or cfg.gantt or cfg.trace:  # a prediction, and the costs' split
             self.calibrate_link()
             self.fixed_seconds = self.measure_fixed_costs()
+            self.call_floor = call_floor_seconds()
         # Each action's fixed cost for the trace: a message's or REDUCE's own work is all fixed.
         self.action_fixed = [
             ALL

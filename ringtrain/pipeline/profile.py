@@ -21,6 +21,7 @@ from ringtrain.comm import Link
 from ringtrain.config import TrainConfig, partition_method
 from ringtrain.guard import agree
 from ringtrain.pipeline import partition
+from ringtrain.pipeline.calls import CompiledCall
 from ringtrain.pipeline.ir import COMPUTE, Op
 from ringtrain.tensorflow_loader import tf
 
@@ -66,6 +67,19 @@ def microbatch_seconds(stage, x, y=None, share=None, repeats: int = 3) -> dict[O
     timings = [time_microbatch(stage, x, y, share, upstream) for _ in range(repeats + 1)]
     forward, backward = (float(np.median(column)) for column in zip(*timings[1:], strict=True))
     return {Op.F: forward, Op.B: backward, Op.BI: backward, Op.BW: 0.0}
+
+
+def call_floor_seconds(repeats: int = 200) -> float:
+    """Median seconds of a compiled call that adds one to one number, called the way the
+    executor calls a stage: what every F and B pays before any of its own work."""
+    call, x = CompiledCall(tf.function(lambda v: v + 1.0)), tf.zeros(1)
+    call(x)  # traces
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call(x)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
 
 
 def time_unit(stage, x, repeats: int = 3) -> dict[Op, float]:

@@ -50,6 +50,7 @@ def prediction(engine, rows: np.ndarray, steps: list[int]) -> tuple[SimResult, d
         "elements": engine.element_seconds,
         "action_costs_ms": action_costs(rows, steps),
         "fixed_ms_per_microbatch": fixed_per_microbatch(rows, steps, engine),
+        "call_floor_ms": 1e3 * engine.call_floor,
     }
 
 

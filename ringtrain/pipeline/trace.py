@@ -142,14 +142,19 @@ def split_ms(row: np.ndarray) -> dict[str, float]:
     }
 
 
-def action_costs(rows: np.ndarray, steps: list[int]) -> dict[str, dict[str, float]]:
-    """Per action kind (F, B, RECV_ACT, ...), the median milliseconds of compute, fixed cost
-    and wait per action over the given steps."""
+def action_costs(rows: np.ndarray, steps: list[int]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per stage (-1: a replica's allreduce) and kind of action (F, B, RA, ...), the median
+    milliseconds of compute, fixed cost and wait per action over the given steps: where a
+    stage's time per microbatch goes, action by action."""
     chosen = rows[np.isin(rows[:, STEP], steps)]
-    costs = {}
-    for code in dict.fromkeys(OPS[int(op)] for op in chosen[:, OP]):
-        splits = [split_ms(row) for row in chosen[chosen[:, OP] == OPS.index(code)]]
-        costs[code] = {key: float(median(s[key] for s in splits)) for key in splits[0]}
+    costs: dict[str, dict[str, dict[str, float]]] = {}
+    kinds = zip(chosen[:, STAGE].astype(int), chosen[:, OP].astype(int), strict=True)
+    for stage, op in dict.fromkeys(kinds):
+        mine = chosen[(chosen[:, STAGE] == stage) & (chosen[:, OP] == op)]
+        splits = [split_ms(row) for row in mine]
+        costs.setdefault(str(stage), {})[OPS[op]] = {
+            key: float(median(s[key] for s in splits)) for key in splits[0]
+        }
     return costs
 
 
