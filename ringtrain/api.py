@@ -104,12 +104,22 @@ def train_keras(
                 "BatchNormalization(synchronized=True) is not honoured across ranks yet; "
                 "use synchronized=False (each replica normalises its own share)"
             )
-        make = _keras_engine(model, data, cfg, me.world_size)
+        if cfg.loop == "fit":
+            from ringtrain.dataparallel.keras_fit import check_fit_loop
+
+            check_fit_loop(model, data.n_examples, cfg, me.world_size)
+            if callbacks:
+                raise UserError("Keras callbacks run at the epoch ends of --loop custom only")
+            train_on = _fitted(model, data, cfg)
+        else:
+            make = _keras_engine(model, data, cfg, me.world_size)
     hooks = None
     if callbacks:
         hooks = EpochCallbacks(callbacks, model, me.rank, -(-total // per_epoch), per_epoch)
         hooks.train_begin()
-    result = _run(cfg, f"Keras model {model.name!r}", _looped(data, cfg, make, hooks))
+    if cfg.loop != "fit":
+        train_on = _looped(data, cfg, make, hooks)
+    result = _run(cfg, f"Keras model {model.name!r}", train_on)
     if result.weights is not None:  # rank 0: the stages' weights, gathered
         receive_weights(model, result.weights)
         if hooks:
@@ -117,6 +127,21 @@ def train_keras(
         if cfg.save:
             save_keras(model, cfg.save)
     return result
+
+
+def _fitted(model, data: UserData, cfg: TrainConfig):
+    """--loop fit: the user's model trained by its own model.fit on every rank."""
+
+    def run(world: runtime.World, watchdog: Watchdog):
+        from ringtrain.dataparallel.keras_fit import fit_model
+        from ringtrain.keras_model.compiled import CompiledMetrics, base_learning_rate
+
+        base = base_learning_rate(model.optimizer)
+        metrics = fit_model(model, data, cfg, world, watchdog, CompiledMetrics(model), base)
+        weights = {v.path: np.asarray(v.numpy()) for v in model.weights}
+        return metrics, weights if world.rank == 0 else None
+
+    return run
 
 
 def _last_epoch_logs(metrics: dict) -> dict:

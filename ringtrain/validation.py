@@ -26,7 +26,6 @@ BUILT_IN_ONLY = {  # flags that configure ringtrain's own models, or its custom 
     "optimizer": "the compiled optimizer",
     "lr": "the compiled learning rate",
     "clip_norm": "the compiled optimizer's clipnorm, clipvalue or global_clipnorm",
-    "loop": None,
 }
 
 
@@ -41,6 +40,7 @@ def validate_user_model(cfg: TrainConfig, world_size: int, given: Collection[str
     _validate_strategy_shape(cfg, world_size)
     pp_size = pp_size_of(cfg, world_size)
     _validate_pipeline(cfg, pp_size, None)
+    _validate_fit_loop(cfg)
     _validate_bucketing(cfg)
     if cfg.accumulate > 1 and cfg.strategy not in ("single", "data"):
         raise UserError(
@@ -64,10 +64,7 @@ def validate_flags(cfg: TrainConfig, world_size: int, n_elements: int | None = N
     check_values(cfg)
     if cfg.epochs is not None and cfg.steps is not None:
         raise UserError("give either --epochs or --steps, not both")
-    if cfg.loop == "fit" and cfg.strategy not in ("single", "data"):
-        raise UserError(f"--loop fit drives data parallelism only, not --strategy {cfg.strategy}")
-    if cfg.loop == "fit" and cfg.accumulate > 1:
-        raise UserError("--accumulate needs --loop custom (model.fit steps once per batch)")
+    _validate_fit_loop(cfg)
     _validate_bucketing(cfg)
     if cfg.split_at:
         raise UserError("--split-at names layers of a --model FUNCTION's graph, not a built-in")
@@ -89,8 +86,23 @@ def validate_flags(cfg: TrainConfig, world_size: int, n_elements: int | None = N
             f"batch {per_replica} per rank is not divisible by --accumulate {cfg.accumulate}"
         )
     _validate_checkpointing(cfg)
-    if cfg.tensorboard and cfg.loop == "fit":
-        raise UserError("--tensorboard needs --loop custom (model.fit keeps its own loop)")
+
+
+def _validate_fit_loop(cfg: TrainConfig) -> None:
+    """model.fit (--loop fit) keeps its own loop: data parallelism, one update per batch, and
+    none of the custom loop's checkpoints or TensorBoard scalars."""
+    if cfg.loop != "fit":
+        return
+    if cfg.strategy not in ("single", "data"):
+        raise UserError(f"--loop fit drives data parallelism only, not --strategy {cfg.strategy}")
+    if cfg.accumulate > 1:
+        raise UserError("--accumulate needs --loop custom (model.fit steps once per batch)")
+    for flag, given in (
+        ("--tensorboard", cfg.tensorboard),
+        ("--checkpoint-dir", cfg.checkpoint_dir),
+    ):
+        if given:
+            raise UserError(f"{flag} needs --loop custom (model.fit keeps its own loop)")
 
 
 def _validate_bucketing(cfg: TrainConfig) -> None:
@@ -173,5 +185,3 @@ def _validate_checkpointing(cfg: TrainConfig) -> None:
     ]
     if needs_dir and not cfg.checkpoint_dir:
         raise UserError(f"{needs_dir[0]} needs --checkpoint-dir DIR")
-    if cfg.checkpoint_dir and cfg.loop == "fit":
-        raise UserError("--checkpoint-dir needs --loop custom (model.fit keeps its own loop)")

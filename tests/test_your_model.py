@@ -67,6 +67,10 @@ LAUNCHES = {
     "single": ([], ["--strategy", "single"]),
     "data-horovodrun": (["horovodrun", "-np", "2", "-H", "localhost:2"], ["--strategy", "data"]),
     "data-mpirun": (["mpirun", "--oversubscribe", "-np", "2"], ["--strategy", "data"]),
+    "data-mpirun-fit": (  # the user's own model.fit on each rank, gradients allreduced
+        ["mpirun", "--oversubscribe", "-np", "2"],
+        ["--strategy", "data", "--loop", "fit"],
+    ),
     "pipeline-mpirun": (
         ["mpirun", "--oversubscribe", "-np", "2"],
         ["--strategy", "pipeline", "--schedule", "1f1b", "--microbatches", "4"],
@@ -176,6 +180,7 @@ BEFORE_TENSORFLOW = [
         "--accumulate slices a data-parallel share",
     ),
     (["--model", GOOD, "--save", "/tmp/out.h5"], "name it *.keras"),
+    (["--model", GOOD, "--strategy", "pipeline", "--loop", "fit"], "--loop fit drives data"),
 ]
 
 
@@ -209,6 +214,11 @@ PIPELINE = ["--strategy", "pipeline", "--steps", "1", "--batch-size", "32"]
         (GOOD, [*PIPELINE, "--split-at", "no_such_layer"], "--split-at no_such_layer: no such"),
         (GOOD, [*PIPELINE, "--split-at", "block_conv2"], "lies inside the block block_conv1"),
         ("synchronized_norm", ["--strategy", "data", "--steps", "1"], "synchronized=True"),
+        (
+            GOOD,
+            ["--strategy", "data", "--loop", "fit", "--steps", "1", "--batch-size", "63"],
+            "--loop fit needs every global batch to divide among the 2 ranks",
+        ),
     ],
 )
 def test_a_graph_that_cannot_be_cut_as_asked_is_refused_in_one_line(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager, nullcontext
 
 from ringtrain import tensorflow_loader  # noqa: F401  (before Keras: keeps scikit-learn out)
 
@@ -17,19 +18,22 @@ import numpy as np
 
 from ringtrain import log
 from ringtrain.config import TrainConfig
-from ringtrain.data import Dataset, epoch_batches, shard, step_plan
+from ringtrain.data import Dataset, epoch_order, shard, step_plan
 from ringtrain.dataparallel.collectives import average_gradients, broadcast_state
+from ringtrain.dataparallel.keras_engine import broadcast_in_order
+from ringtrain.errors import UserError
 from ringtrain.evaluate import AccuracyScorer, score_shards
 from ringtrain.guard import Watchdog, non_finite
+from ringtrain.keras_model.compiled import reduction_kind
 from ringtrain.models import ModelSpec
-from ringtrain.optim import learning_rate, make_optimizer
+from ringtrain.optim import LearningRate, learning_rate, make_optimizer
 from ringtrain.runtime import World
+from ringtrain.tensorflow_loader import tf
 from ringtrain.weights import named_weights, replica_checksums, save_npz
 
 
-def distributed_optimizer(optimizer: keras.optimizers.Optimizer, hvd, fp16: bool = False):
-    """The same optimizer, but its gradients are ring-allreduce averaged before each update."""
-    base = type(optimizer)
+def _averaging(base: type, hvd, fp16: bool) -> type:
+    """`base`, but its gradients are ring-allreduce averaged before each update."""
 
     class Distributed(base):
         def apply_gradients(self, grads_and_vars):
@@ -38,7 +42,28 @@ def distributed_optimizer(optimizer: keras.optimizers.Optimizer, hvd, fp16: bool
             return super().apply_gradients(zip(grads, variables, strict=True))
 
     Distributed.__name__ = f"Distributed{base.__name__}"
-    return Distributed.from_config(optimizer.get_config())
+    return Distributed
+
+
+def distributed_optimizer(optimizer: keras.optimizers.Optimizer, hvd, fp16: bool = False):
+    """A new optimizer like `optimizer` whose gradients are averaged over the ranks."""
+    return _averaging(type(optimizer), hvd, fp16).from_config(optimizer.get_config())
+
+
+@contextmanager
+def averaging_gradients(model, hvd, fp16: bool = False):
+    """The model's own compiled optimizer averages its gradients over the ranks while inside:
+    its class is swapped, so its state and everything `compile` set stay as they are. Keras's
+    traced train step is dropped on entry and exit, so neither side sees the other's."""
+    optimizer = model.optimizer
+    base = type(optimizer)
+    optimizer.__class__ = _averaging(base, hvd, fp16)
+    model.train_function = None
+    try:
+        yield
+    finally:
+        optimizer.__class__ = base
+        model.train_function = None
 
 
 class BroadcastInitialState(keras.callbacks.Callback):
@@ -73,14 +98,23 @@ class MetricAverage(keras.callbacks.Callback):
 class LearningRateWarmup(keras.callbacks.Callback):
     """Sets the LR before each batch from ringtrain's shared rule (scale and warm-up)."""
 
-    def __init__(self, cfg: TrainConfig, dp_size: int, steps_per_epoch: int, first_step: int = 0):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        dp_size: int,
+        steps_per_epoch: int,
+        base: float | None = None,
+    ):
+        """`base`: a compiled constant rate (None: --lr)."""
         super().__init__()
-        self.cfg, self.dp_size, self.per_epoch = cfg, dp_size, steps_per_epoch
-        self.step = first_step
+        self.cfg, self.dp_size, self.per_epoch, self.base = cfg, dp_size, steps_per_epoch, base
+        self.step = 0
+        self.rate: LearningRate | None = None
 
     def on_train_batch_begin(self, batch, logs=None):
-        lr = learning_rate(self.cfg, self.step / self.per_epoch, self.dp_size)
-        self.model.optimizer.learning_rate.assign(lr)
+        if self.rate is None:
+            self.rate = LearningRate(self.model.optimizer)
+        self.rate.set(learning_rate(self.cfg, self.step / self.per_epoch, self.dp_size, self.base))
         self.step += 1
 
 
@@ -132,69 +166,115 @@ class ShowProgress(keras.callbacks.Callback):
 
 
 def fit(spec: ModelSpec, data: Dataset, cfg: TrainConfig, world: World, watchdog: Watchdog):
-    """Train with model.fit on this rank's slice of every global batch, in the shared order."""
-    hvd = world.hvd if world.size > 1 else None
+    """A built-in model as a Keras model, trained by `fit_model`."""
     elements = spec.build(range(len(spec)), cfg.seed)
-    if cfg.initial_weights_out and world.rank == 0:  # BroadcastInitialState sends these
-        save_npz(cfg.initial_weights_out, named_weights(elements))
     model = keras.Sequential([keras.Input(data.input_shape), *elements])
-    optimizer = make_optimizer(cfg)
-    if hvd is not None:
-        optimizer = distributed_optimizer(optimizer, hvd, cfg.fp16_allreduce)
     model.compile(
-        optimizer=optimizer,
+        optimizer=make_optimizer(cfg),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
     )
-    total, per_epoch = step_plan(len(data.x), cfg.batch_size, cfg.epochs, cfg.steps)
-    recorder = LossRecorder(hvd)
-    shown = ShowProgress()
-    callbacks = [
-        recorder,
-        LearningRateWarmup(cfg, world.size, per_epoch),
-        KickWatchdog(watchdog),
-        shown,
-    ]
+    metrics = fit_model(model, data, cfg, world, watchdog, AccuracyScorer(), cfg.lr)
+    return metrics, named_weights(elements) if world.rank == 0 else None
+
+
+def check_fit_loop(model, n_examples: int, cfg: TrainConfig, world_size: int) -> None:
+    """What model.fit on each rank's share cannot make exact: Horovod's average of the ranks'
+    mean losses is the global batch's mean only when the shares are equal and the loss a mean."""
+    if world_size == 1:
+        return
+    if reduction_kind(model) != "mean":
+        raise UserError(
+            "--loop fit averages the ranks' losses, which a loss with reduction='sum' does not "
+            "allow; use --loop custom"
+        )
+    total, per_epoch = step_plan(n_examples, cfg.batch_size, cfg.epochs, cfg.steps, True)
+    sizes = {cfg.batch_size} | ({n_examples % cfg.batch_size} if total >= per_epoch else set())
+    uneven = sorted(size for size in sizes if size % world_size)
+    if uneven:
+        raise UserError(
+            f"--loop fit needs every global batch to divide among the {world_size} ranks, but "
+            f"one holds {uneven[0]} examples; use --loop custom, or another --batch-size"
+        )
+
+
+def fit_model(
+    model,
+    data,
+    cfg: TrainConfig,
+    world: World,
+    watchdog: Watchdog,
+    scorer,
+    base_lr: float | None,
+) -> dict:
+    """Train a compiled model with its own model.fit on this rank's share of every global
+    batch, in the shared order; every rank starts from rank 0's weights and slots, and the
+    optimizer averages the gradients. `scorer` scores the held-out examples; `base_lr` is the
+    constant rate --scale-lr and --warmup-epochs act on (None: a schedule rules)."""
+    hvd = world.hvd if world.size > 1 else None
+    model.optimizer.build(model.trainable_variables)
+    if world.size > 1:
+        broadcast_in_order(world.comm, list(model.weights) + list(model.optimizer.variables))
+    if cfg.initial_weights_out and world.rank == 0:
+        save_npz(cfg.initial_weights_out, {v.path: v.numpy() for v in model.trainable_weights})
+    n_examples, keep_partial = data.n_examples, data.keeps_partial_batch
+    total, per_epoch = step_plan(n_examples, cfg.batch_size, cfg.epochs, cfg.steps, keep_partial)
+    recorder, shown = LossRecorder(hvd), ShowProgress()
+    callbacks = [recorder, KickWatchdog(watchdog), shown]
+    if base_lr is not None:
+        callbacks.append(LearningRateWarmup(cfg, world.size, per_epoch, base_lr))
     if hvd is not None:
-        callbacks += [BroadcastInitialState(hvd), MetricAverage(hvd)]
-    local_batch = cfg.batch_size // world.size
-    started = time.perf_counter()
+        callbacks.append(MetricAverage(hvd))
+    history: dict[str, list[float]] = {"loss": []}
+    predict = tf.function(lambda x: model(x, training=False), reduce_retracing=True)
+    held_out, started = {}, time.perf_counter()
     n_epochs, style = -(-total // per_epoch), log.progress_style(cfg.progress, world.launcher)
-    for epoch in range(n_epochs):
-        steps = min(per_epoch, total - epoch * per_epoch)
-        shown.progress = log.EpochProgress(style, f"epoch {epoch + 1}/{n_epochs}", steps)
-        order = epoch_batches(len(data.x), cfg.batch_size, cfg.seed, epoch)[:steps]
-        local = np.concatenate([shard(b, world.rank, world.size) for b in order])
-        history = model.fit(
-            data.x[local],
-            data.y[local],
-            batch_size=local_batch,
-            epochs=1,
-            shuffle=False,
-            verbose=0,
-            callbacks=callbacks,
-        )
-        shown.progress.end(
-            {"loss": history.history["loss"][0], "train accuracy": history.history["accuracy"][0]}
-        )
+    with averaging_gradients(model, hvd, cfg.fp16_allreduce) if hvd else nullcontext():
+        for epoch in range(n_epochs):
+            steps = min(per_epoch, total - epoch * per_epoch)
+            shown.progress = log.EpochProgress(style, f"epoch {epoch + 1}/{n_epochs}", steps)
+            order = epoch_order(
+                n_examples, cfg.batch_size, cfg.seed, epoch, cfg.shuffle, keep_partial
+            )
+            local = np.concatenate([shard(b, world.rank, world.size) for b in order[:steps]])
+            x, y = data.train.take(local)
+            model.fit(
+                x,
+                y,
+                batch_size=cfg.batch_size // world.size,
+                epochs=1,
+                shuffle=False,
+                verbose=0,
+                callbacks=callbacks,
+            )
+            watchdog.kick(f"evaluation after epoch {epoch + 1}")
+            held_out = (
+                score_shards(scorer, predict, data.validation, world.comm, world.rank, world.size)
+                if data.validation is not None
+                else {}
+            )
+            epoch_loss = float(np.mean(recorder.losses[epoch * per_epoch :]))
+            history["loss"].append(epoch_loss)
+            for name, value in held_out.items():
+                history.setdefault(f"val_{name}", []).append(value)
+            shown.progress.end(
+                {"loss": epoch_loss, **{f"held-out {k}": v for k, v in held_out.items()}}
+            )
     seconds = time.perf_counter() - started
-    predict = lambda x: model.predict(x, verbose=0)  # noqa: E731
-    held_out = data.validation
-    scores = score_shards(AccuracyScorer(), predict, held_out, world.comm, world.rank, world.size)
-    accuracy = scores["accuracy"]
-    metrics = {
+    return {
         "strategy": cfg.strategy,
         "world_size": world.size,
         "steps": total,
         "loop": "fit",
+        "epochs": n_epochs,
         "global_batch": cfg.batch_size,
         "losses": recorder.losses,
         "final_loss": recorder.losses[-1],
-        "test_accuracy": accuracy,
-        "held_out": {"accuracy": accuracy},
+        "test_accuracy": held_out.get("accuracy", float("nan")),
+        "held_out": held_out,
+        "history": history,
         "samples_per_sec": cfg.batch_size * total / seconds,
         "seconds": seconds,
         "config": cfg.as_dict(),
         "replica_checksums": replica_checksums(world.comm, model.trainable_variables),
     }
-    return metrics, named_weights(elements) if world.rank == 0 else None
