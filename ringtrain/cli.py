@@ -29,8 +29,10 @@ from ringtrain.errors import (
     report,
 )
 from ringtrain.keras_model.source import (
+    add_file_arguments,
     add_source_arguments,
     build_user_model,
+    check_file_flags,
     check_source_flags,
     load_user_data,
 )
@@ -78,6 +80,7 @@ def add_train_command_arguments(p: argparse.ArgumentParser) -> None:
     # Absent unless typed, so a compiled model can refuse them even at their default value.
     p.set_defaults(**dict.fromkeys(USER_MODEL_REFUSES))
     add_source_arguments(p)
+    add_file_arguments(p)
 
 
 def typed_flags(args: argparse.Namespace) -> set[str]:
@@ -142,13 +145,18 @@ def run_train(args: argparse.Namespace) -> int:
 
 def _check_user_flags(args: argparse.Namespace, cfg: TrainConfig) -> None:
     check_source_flags(cfg.model, args.model_arg, args.data, cfg.dataset)
+    check_file_flags(args, cfg.dataset)
     if cfg.save and not is_model_function(cfg.model):
         raise UserError("--save writes a --model FUNCTION's model; built-ins have --weights-out")
 
 
 def _train_user_model(args: argparse.Namespace, cfg: TrainConfig, me, wait_for: float):
     """Load the user's data on every rank (agreed), then build their model after seeding."""
-    data = _agreed(lambda: load_user_data(args.data, cfg), me, wait_for)
+    data = _agreed(
+        lambda: load_user_data(args.data, cfg, args.data_files, args.validation_files),
+        me,
+        wait_for,
+    )
     from ringtrain import runtime
     from ringtrain.api import train_keras
 

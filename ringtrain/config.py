@@ -172,6 +172,14 @@ class TrainConfig:
             "(--no-shuffle: in order, as Keras's fit with shuffle=False)"
         ),
     )
+    shuffle_buffer: int = field(
+        default=10000,
+        metadata=flag(
+            "with --data-files, --shuffle draws the files' order, then permutes the rows "
+            "within windows of this many",
+            bound=at_least(1),
+        ),
+    )
     loop: str = field(default="custom", metadata=flag("one of {choices}", choices=LOOPS))
     accumulate: int = field(
         default=1,

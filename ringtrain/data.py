@@ -40,6 +40,9 @@ class Dataset:
 
     keeps_partial_batch = False  # the built-in runs drop an epoch's last partial batch
 
+    def epoch_order(self, global_batch: int, seed: int, epoch: int, shuffle: bool) -> list:
+        return epoch_order(self.n_examples, global_batch, seed, epoch, shuffle, False)
+
     @property
     def train(self) -> Examples:
         return Examples(self.x, self.y)
@@ -91,16 +94,28 @@ def _arrays(part) -> list:
 
 @dataclass
 class UserData:
-    """Training examples and optional validation examples, for a user's own Keras model."""
+    """Training examples and optional validation examples, for a user's own Keras model.
+    `shard_rows`: the rows of each file the training examples are read from (None: arrays in
+    memory), which --shuffle then reorders file by file, within windows of `shuffle_buffer`."""
 
     train: Examples
     validation: Examples | None = None
+    shard_rows: list[int] | None = None
+    shuffle_buffer: int = 0
 
     @property
     def n_examples(self) -> int:
         return len(self.train)
 
     keeps_partial_batch = True  # as Keras's fit: an epoch is ceil(N / B) steps
+
+    def epoch_order(self, global_batch: int, seed: int, epoch: int, shuffle: bool) -> list:
+        if self.shard_rows is None or not shuffle:
+            return epoch_order(self.n_examples, global_batch, seed, epoch, shuffle, True)
+        from ringtrain.shards import shard_order
+
+        order = shard_order(self.shard_rows, seed, epoch, self.shuffle_buffer)
+        return batches_of(order, global_batch, True)
 
 
 def _holdout(x: np.ndarray, y: np.ndarray, test_fraction: float, seed: int) -> Dataset:
@@ -203,11 +218,16 @@ def epoch_order(
 ) -> list[np.ndarray]:
     """The global batches of one epoch, as index arrays: a permutation drawn from (seed, epoch)
     alone, or the examples in order; the last partial batch kept (Keras's fit) or dropped."""
-    steps, _ = step_plan(n_examples, global_batch, 1, None, keep_partial)
     if shuffle:
         order = np.random.default_rng([seed, epoch]).permutation(n_examples)
     else:
         order = np.arange(n_examples)
+    return batches_of(order, global_batch, keep_partial)
+
+
+def batches_of(order: np.ndarray, global_batch: int, keep_partial: bool) -> list[np.ndarray]:
+    """An epoch's order of examples cut into global batches."""
+    steps, _ = step_plan(len(order), global_batch, 1, None, keep_partial)
     return [order[t * global_batch : (t + 1) * global_batch] for t in range(steps)]
 
 

@@ -13,7 +13,7 @@ from ringtrain import log, tensorboard
 from ringtrain.checkpoint import RunCheckpoints
 from ringtrain.comm import Link
 from ringtrain.config import TrainConfig
-from ringtrain.data import epoch_order, step_plan
+from ringtrain.data import step_plan
 from ringtrain.guard import StopSignal, Watchdog, non_finite
 from ringtrain.optim import learning_rate
 from ringtrain.proc import resident_bytes
@@ -111,9 +111,7 @@ def run(
     for step in range(first, total):
         epoch, i = divmod(step, per_epoch)
         if i == 0 or step == first:
-            batches = epoch_order(
-                n_examples, cfg.batch_size, cfg.seed, epoch, cfg.shuffle, keep_partial
-            )
+            batches = data.epoch_order(cfg.batch_size, cfg.seed, epoch, cfg.shuffle)
             label, steps = f"epoch {epoch + 1}/{n_epochs}", min(per_epoch - i, total - step)
             progress = log.EpochProgress(style, label, steps)
             if callbacks and i == 0:

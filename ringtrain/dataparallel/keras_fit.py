@@ -18,7 +18,7 @@ import numpy as np
 
 from ringtrain import log
 from ringtrain.config import TrainConfig
-from ringtrain.data import Dataset, epoch_order, shard, step_plan
+from ringtrain.data import Dataset, shard, step_plan
 from ringtrain.dataparallel.collectives import average_gradients, broadcast_state
 from ringtrain.dataparallel.keras_engine import broadcast_in_order
 from ringtrain.errors import UserError
@@ -233,9 +233,7 @@ def fit_model(
         for epoch in range(n_epochs):
             steps = min(per_epoch, total - epoch * per_epoch)
             shown.progress = log.EpochProgress(style, f"epoch {epoch + 1}/{n_epochs}", steps)
-            order = epoch_order(
-                n_examples, cfg.batch_size, cfg.seed, epoch, cfg.shuffle, keep_partial
-            )
+            order = data.epoch_order(cfg.batch_size, cfg.seed, epoch, cfg.shuffle)
             local = np.concatenate([shard(b, world.rank, world.size) for b in order[:steps]])
             x, y = data.train.take(local)
             model.fit(

@@ -119,11 +119,54 @@ def source_flags(model: str, model_args: Sequence[str], data: str | None, datase
     return flags + (["--data", data] if data else ["--dataset", dataset])
 
 
-def load_user_data(target: str | None, cfg: TrainConfig):
-    """--data FUNCTION's arrays, or a --dataset's, with its held-out part for validation."""
+def add_file_arguments(p: argparse.ArgumentParser) -> None:
+    """--data-files and --validation-files: a --model FUNCTION's examples in .npy shards."""
+    p.add_argument(
+        "--data-files",
+        metavar="GLOB",
+        help="training examples in .npy shards, pairs x-NNNNN.npy and y-NNNNN.npy, read "
+        "through memory maps (instead of --data or --dataset); quote the GLOB",
+    )
+    p.add_argument(
+        "--validation-files",
+        metavar="GLOB",
+        help="held-out examples in .npy shards, named as for --data-files",
+    )
+
+
+def check_file_flags(args: argparse.Namespace, dataset: str) -> None:
+    """--data-files replaces --data and --dataset; --validation-files goes with it."""
+    if args.validation_files and not args.data_files:
+        raise UserError("--validation-files goes with --data-files")
+    if not args.data_files:
+        return
+    if not is_model_function(args.model):
+        raise UserError("--data-files needs --model PATH.py:FUNCTION, your own model")
+    if args.data:
+        raise UserError("give either --data or --data-files, not both")
+    if dataset != TrainConfig.dataset:
+        raise UserError("give either --data-files or --dataset, not both")
+
+
+def load_user_data(
+    target: str | None,
+    cfg: TrainConfig,
+    data_files: str | None = None,
+    validation_files: str | None = None,
+):
+    """--data FUNCTION's arrays, --data-files' shards, or a --dataset's arrays with its
+    held-out part for validation."""
     from ringtrain.data import Examples, UserData, load_dataset
 
     check_paths(cfg)
+    if data_files:
+        from ringtrain.shards import npy_shards
+
+        x, y = npy_shards(data_files, "--data-files")
+        held_out = None
+        if validation_files:
+            held_out = Examples(*npy_shards(validation_files, "--validation-files"))
+        return UserData(Examples(x, y), held_out, x.rows, cfg.shuffle_buffer)
     if target is None:
         found = load_dataset(cfg.dataset, cfg.seed, cfg.synthetic_size, cfg.synthetic_shape)
         return UserData(Examples(found.x, found.y), Examples(found.x_test, found.y_test))
