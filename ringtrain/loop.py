@@ -13,7 +13,7 @@ from ringtrain import log, tensorboard
 from ringtrain.checkpoint import RunCheckpoints
 from ringtrain.comm import Link
 from ringtrain.config import TrainConfig
-from ringtrain.data import step_plan
+from ringtrain.data import READS, step_plan
 from ringtrain.guard import StopSignal, Watchdog, non_finite
 from ringtrain.optim import learning_rate
 from ringtrain.proc import resident_bytes
@@ -67,6 +67,26 @@ class PhaseClock:
         return {k: round(1e3 * v / max(1, self.steps), 4) for k, v in self.totals.items()}
 
 
+INPUT_WAIT_SHOWN = 0.1  # the epoch line shows the input wait above this share of its steps
+
+
+def epoch_line(loss: float, held_out: dict[str, float], input_wait: float) -> dict[str, float]:
+    """What an epoch's line shows: its loss, the held-out scores and, when reading held this
+    process's steps up for more than INPUT_WAIT_SHOWN of their time, that share."""
+    shown = {"loss": loss, **{f"held-out {k}": v for k, v in held_out.items()}}
+    return shown | ({"input wait": input_wait} if input_wait > INPUT_WAIT_SHOWN else {})
+
+
+def input_wait(comm, waited: float, stepped: float) -> dict[str, float]:
+    """Collective: the most any rank's steps waited on reading their examples (after the
+    first step, as samples/s), in seconds and as a share of its steps' time."""
+    from mpi4py import MPI
+
+    worst = np.array([waited, waited / stepped if stepped else 0.0])
+    comm.Allreduce(MPI.IN_PLACE, worst, op=MPI.MAX)
+    return {"input_wait_s": float(worst[0]), "input_wait_fraction": float(worst[1])}
+
+
 def write_initial_weights(path: str, engine: Engine) -> None:
     """What the first step starts from, after the broadcast from rank 0 or the restore, so a
     run can be reproduced or audited from its start. Collective: a pipeline's stages send their
@@ -105,6 +125,7 @@ def run(
     board = tensorboard.Scalars(cfg.tensorboard) if cfg.tensorboard and world.rank == 0 else None
     stop, link = StopSignal(), Link(world.comm, cfg.comm_timeout)
     step_seconds: list[float] = []
+    input_waits: list[float] = []  # per step, the seconds spent reading its examples
     agreeing, clock = isinstance(engine, AgreeingEngine), PhaseClock()
     history: dict[str, list[float]] = {"loss": []}
     held_out, finished, called_off, started = {}, True, False, time.perf_counter()
@@ -120,6 +141,7 @@ def run(
         counted = step > first
         clock.lap("loop", counted)
         tick = clock.mark
+        READS.lap()  # what evaluation and checkpoints read is no step's
         lr = None  # a user's compiled schedule sets its own rate
         if (base := engine.base_learning_rate) is not None:
             lr = learning_rate(cfg, step / per_epoch, dp_size, base)
@@ -138,9 +160,13 @@ def run(
         clock.steps += counted
         losses.append(loss)
         step_seconds.append(clock.mark - tick)  # learning rate, step and agreement
+        input_waits.append(READS.lap())
         progress.update(loss)
         if board:  # on the optimizer-step axis: a resumed run continues the same curves
-            rates = {"samples_per_sec": cfg.batch_size / step_seconds[-1]}
+            rates = {
+                "samples_per_sec": cfg.batch_size / step_seconds[-1],
+                "input_wait_fraction": input_waits[-1] / step_seconds[-1],
+            }
             rates |= {"learning_rate": lr} if lr is not None else {}
             board.write(step + 1, {"loss": loss, **rates})
         if step == first:  # its graphs are traced: --comm-timeout alone from here, from now
@@ -162,7 +188,9 @@ def run(
             history["loss"].append(epoch_loss)
             for name, value in held_out.items():
                 history.setdefault(f"val_{name}", []).append(value)
-            progress.end({"loss": epoch_loss, **{f"held-out {k}": v for k, v in held_out.items()}})
+            since = max(0, step - i - first)  # this epoch's steps that this process ran
+            waited = sum(input_waits[since:]) / sum(step_seconds[since:])
+            progress.end(epoch_line(epoch_loss, held_out, waited))
             measured = engine.epoch_scalars() if cfg.tensorboard else {}  # every rank joins
             if board:
                 scalars = {f"held_out_{k}": v for k, v in held_out.items()}
@@ -188,6 +216,7 @@ def run(
     watchdog.kick("the end-of-run metrics")
     seconds = time.perf_counter() - started
     steady = step_seconds[1:] or step_seconds  # the first step includes tracing
+    waits = input_waits[1:] if len(input_waits) > 1 else input_waits
     metrics = {
         "strategy": cfg.strategy,
         "world_size": world.size,
@@ -203,6 +232,7 @@ def run(
         "samples_per_sec": cfg.batch_size * len(steady) / sum(steady) if steady else 0.0,
         "seconds": seconds,
         "step_breakdown_ms": clock.means_ms(),
+        **input_wait(world.comm, sum(waits), sum(steady)),
         "config": cfg.as_dict(),
     }
     metrics.update(engine.extra_metrics())

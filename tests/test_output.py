@@ -114,7 +114,7 @@ def test_tensorboard_has_every_scalar_at_its_step_and_a_resume_continues_the_axi
     assert pipeline_runs["resumed"].returncode == 0, pipeline_runs["resumed"].stderr[-2000:]
     found = scalars(pipeline_runs["board"])
     steps, epoch_ends = list(range(1, 16)), [5, 10, 15]
-    for tag in ("loss", "learning_rate", "samples_per_sec"):
+    for tag in ("loss", "learning_rate", "samples_per_sec", "input_wait_fraction"):
         assert [step for step, _ in found[tag]] == steps, tag  # each step once, in order
     for tag in ("held_out_accuracy", "bubble_measured"):
         assert [step for step, _ in found[tag]] == epoch_ends, tag
@@ -122,6 +122,7 @@ def test_tensorboard_has_every_scalar_at_its_step_and_a_resume_continues_the_axi
     assert [v for _, v in found["loss"]] == pytest.approx(pipeline_runs["losses"], rel=1e-6)
     assert all(v == pytest.approx(0.003) for _, v in found["learning_rate"])
     assert all(v > 0 for _, v in found["samples_per_sec"])
+    assert all(0 <= v < 1 for _, v in found["input_wait_fraction"])
     assert all(0 < v <= 1 for _, v in found["held_out_accuracy"])
     assert all(0 < v < 1 for _, v in found["bubble_measured"])
 

@@ -99,7 +99,16 @@ def test_shards_train_as_keras_fit_on_the_same_examples(strategy, digits_shards,
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     comparison = saved_model_updates(saved, reference)
     assert comparison.ok, comparison.describe()
-    assert set(json.loads(metrics.read_text())["held_out"]) >= {"loss", "accuracy"}
+    reported = json.loads(metrics.read_text())
+    assert set(reported["held_out"]) >= {"loss", "accuracy"}
+    assert reported["input_wait_s"] > 0 and 0 < reported["input_wait_fraction"] < 1
+
+
+def test_an_epoch_line_shows_the_input_wait_above_a_tenth_of_its_steps():
+    from ringtrain.loop import epoch_line
+
+    assert epoch_line(0.5, {"accuracy": 0.9}, 0.05) == {"loss": 0.5, "held-out accuracy": 0.9}
+    assert epoch_line(0.5, {}, 0.25) == {"loss": 0.5, "input wait": 0.25}
 
 
 @pytest.mark.mpi
@@ -130,8 +139,10 @@ def test_a_rank_holds_a_few_shards_not_the_dataset(tmp_path):
         timeout=300,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    grown = json.loads(metrics.read_text())["peak_resident_above_import_bytes"]
+    reported = json.loads(metrics.read_text())
+    grown = reported["peak_resident_above_import_bytes"]
     assert grown < rows * features * 4 / 2, grown
+    assert reported["input_wait_s"] > 0 and 0 < reported["input_wait_fraction"] < 1
 
 
 BAD_FILES = {  # name -> (the files written, the flag's pattern, what the line says)

@@ -77,8 +77,8 @@ class DataParallelEngine(WholeModelReplica):
     def _inputs(self, global_indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         local = shard(global_indices, self.world.rank, self.world.size)
         k = self.cfg.accumulate
-        x = self.data.x[local].reshape(k, len(local) // k, *self.data.input_shape)
-        return x, self.data.y[local].reshape(k, len(local) // k)
+        x, y = self.data.train.take(local)
+        return x.reshape(k, len(local) // k, *self.data.input_shape), y.reshape(k, len(local) // k)
 
     def step(self, global_indices: np.ndarray) -> float:
         return self.step_agreeing(global_indices, False)[0]

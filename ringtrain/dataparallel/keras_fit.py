@@ -18,13 +18,14 @@ import numpy as np
 
 from ringtrain import log
 from ringtrain.config import TrainConfig
-from ringtrain.data import Dataset, shard, step_plan
+from ringtrain.data import READS, Dataset, shard, step_plan
 from ringtrain.dataparallel.collectives import average_gradients, broadcast_state
 from ringtrain.dataparallel.keras_engine import broadcast_in_order
 from ringtrain.errors import UserError
 from ringtrain.evaluate import AccuracyScorer, score_shards
 from ringtrain.guard import Watchdog, non_finite
 from ringtrain.keras_model.compiled import reduction_kind
+from ringtrain.loop import input_wait
 from ringtrain.models import ModelSpec
 from ringtrain.optim import LearningRate, learning_rate, make_optimizer
 from ringtrain.runtime import World
@@ -227,7 +228,7 @@ def fit_model(
         callbacks.append(MetricAverage(hvd))
     history: dict[str, list[float]] = {"loss": []}
     predict = tf.function(lambda x: model(x, training=False), reduce_retracing=True)
-    held_out, started = {}, time.perf_counter()
+    held_out, started, waited = {}, time.perf_counter(), 0.0
     n_epochs, style = -(-total // per_epoch), log.progress_style(cfg.progress, world.launcher)
     with averaging_gradients(model, hvd, cfg.fp16_allreduce) if hvd else nullcontext():
         for epoch in range(n_epochs):
@@ -235,7 +236,9 @@ def fit_model(
             shown.progress = log.EpochProgress(style, f"epoch {epoch + 1}/{n_epochs}", steps)
             order = data.epoch_order(cfg.batch_size, cfg.seed, epoch, cfg.shuffle)
             local = np.concatenate([shard(b, world.rank, world.size) for b in order[:steps]])
+            READS.lap()
             x, y = data.train.take(local)
+            waited += READS.lap()
             model.fit(
                 x,
                 y,
@@ -275,4 +278,5 @@ def fit_model(
         "seconds": seconds,
         "config": cfg.as_dict(),
         "replica_checksums": replica_checksums(world.comm, model.trainable_variables),
+        **input_wait(world.comm, waited, seconds),
     }
