@@ -356,8 +356,9 @@ class PipelineEngine(Checkpointable):
     # ---- the actions ----------------------------------------------------------------------
     def _forward(self, a: Action) -> None:
         stage, idx = self.local_stages[a.stage], self.microbatches[a.mb]
-        # Labels come from the shared batch order, not a peer; only stage 0 reads features.
-        y = tf.nest.map_structure(tf.constant, take(self.train.y, idx))
+        # Only the last stage reads labels (from the shared batch order: they never travel
+        # through the pipe), and only stage 0 reads features.
+        y = tf.nest.map_structure(tf.constant, take(self.train.y, idx)) if stage.last else None
         if stage.first:
             x = stage.first_inputs(take(self.train.x, idx))
         else:
