@@ -30,7 +30,7 @@ from ringtrain.launch.keepalive import keepalive_warning
 from ringtrain.models import ModelSpec
 from ringtrain.pipeline.schedule import pipeline_schedule
 from ringtrain.validation import validate_flags, validate_user_model
-from ringtrain.weights import save_npz
+from ringtrain.weights import by_path, save_npz
 
 
 @dataclass
@@ -138,8 +138,7 @@ def _fitted(model, data: UserData, cfg: TrainConfig):
 
         base = base_learning_rate(model.optimizer)
         metrics = fit_model(model, data, cfg, world, watchdog, CompiledMetrics(model), base)
-        weights = {v.path: np.asarray(v.numpy()) for v in model.weights}
-        return metrics, weights if world.rank == 0 else None
+        return metrics, by_path(model.weights) if world.rank == 0 else None
 
     return run
 

@@ -78,8 +78,10 @@ READS = ReadClock()
 def take(arrays, indices: np.ndarray):
     """The rows `indices` of an array or of each array in a dict (timed by READS)."""
     start = time.perf_counter()
-    rows = {k: v[indices] for k, v in arrays.items()} if isinstance(arrays, dict) else None
-    rows = arrays[indices] if rows is None else rows
+    if isinstance(arrays, dict):
+        rows = {k: v[indices] for k, v in arrays.items()}
+    else:
+        rows = arrays[indices]
     READS.seconds += time.perf_counter() - start
     return rows
 

@@ -216,7 +216,7 @@ def run(
     watchdog.kick("the end-of-run metrics")
     seconds = time.perf_counter() - started
     steady = step_seconds[1:] or step_seconds  # the first step includes tracing
-    waits = input_waits[1:] if len(input_waits) > 1 else input_waits
+    waits = input_waits[1:] or input_waits  # as steady: the first step includes tracing
     metrics = {
         "strategy": cfg.strategy,
         "world_size": world.size,

@@ -11,9 +11,14 @@ import numpy as np
 from ringtrain.errors import UserError
 
 
+def by_path(variables: Sequence) -> dict[str, np.ndarray]:
+    """The variables' values keyed by their paths, in the order given."""
+    return {v.path: np.asarray(v.numpy()) for v in variables}
+
+
 def named_weights(elements: Sequence) -> dict[str, np.ndarray]:
     """Trainable weights of built elements, keyed by their stable names, in model order."""
-    return {v.path: np.asarray(v.numpy()) for e in elements for v in e.trainable_weights}
+    return by_path([v for e in elements for v in e.trainable_weights])
 
 
 def save_npz(path: str, weights: dict[str, np.ndarray]) -> None:

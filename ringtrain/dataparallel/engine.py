@@ -25,6 +25,7 @@ class DataParallelEngine(WholeModelReplica):
 
     def __init__(self, spec: ModelSpec, data: Dataset, cfg: TrainConfig, world: World):
         self.data, self.cfg, self.world = data, cfg, world
+        self.train = data.train
         self.hvd = world.hvd if world.size > 1 else None
         self.elements = spec.build(range(len(spec)), cfg.seed)
         self.variables = trainable_variables(self.elements)
@@ -77,7 +78,7 @@ class DataParallelEngine(WholeModelReplica):
     def _inputs(self, global_indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         local = shard(global_indices, self.world.rank, self.world.size)
         k = self.cfg.accumulate
-        x, y = self.data.train.take(local)
+        x, y = self.train.take(local)
         return x.reshape(k, len(local) // k, *self.data.input_shape), y.reshape(k, len(local) // k)
 
     def step(self, global_indices: np.ndarray) -> float:

@@ -28,12 +28,13 @@ from ringtrain.keras_model.compiled import (
     base_learning_rate,
     global_loss,
     loss_share,
+    predictor,
     reduction_kind,
 )
 from ringtrain.optim import LearningRate
 from ringtrain.runtime import World
 from ringtrain.tensorflow_loader import tf
-from ringtrain.weights import variable_bytes
+from ringtrain.weights import by_path, variable_bytes
 
 
 def broadcast_in_order(comm, variables: list) -> None:
@@ -65,7 +66,7 @@ class KerasDataParallelEngine(WholeModelReplica):
         self._lr = LearningRate(self.optimizer)
         self._train_step = tf.function(self._step_graph, reduce_retracing=True)
         self.scorer = CompiledMetrics(model)
-        self._predict = tf.function(lambda x: model(x, training=False), reduce_retracing=True)
+        self._predict = predictor(model)
 
     def _step_graph(self, slices: tuple, stop: tf.Tensor):
         """`slices` holds (x, y, share) per accumulation slice. The loss and the stop flag
@@ -116,4 +117,4 @@ class KerasDataParallelEngine(WholeModelReplica):
         """Replicas are identical, so rank 0's copy is the model."""
         if self.world.rank != 0:
             return None
-        return {v.path: np.asarray(v.numpy()) for v in self.variables}
+        return by_path(self.variables)

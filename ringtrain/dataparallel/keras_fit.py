@@ -24,13 +24,12 @@ from ringtrain.dataparallel.keras_engine import broadcast_in_order
 from ringtrain.errors import UserError
 from ringtrain.evaluate import AccuracyScorer, score_shards
 from ringtrain.guard import Watchdog, non_finite
-from ringtrain.keras_model.compiled import reduction_kind
+from ringtrain.keras_model.compiled import predictor, reduction_kind
 from ringtrain.loop import input_wait
 from ringtrain.models import ModelSpec
 from ringtrain.optim import LearningRate, learning_rate, make_optimizer
 from ringtrain.runtime import World
-from ringtrain.tensorflow_loader import tf
-from ringtrain.weights import named_weights, replica_checksums, save_npz
+from ringtrain.weights import by_path, named_weights, replica_checksums, save_npz
 
 
 def _averaging(base: type, hvd, fp16: bool) -> type:
@@ -217,7 +216,7 @@ def fit_model(
     if world.size > 1:
         broadcast_in_order(world.comm, list(model.weights) + list(model.optimizer.variables))
     if cfg.initial_weights_out and world.rank == 0:
-        save_npz(cfg.initial_weights_out, {v.path: v.numpy() for v in model.trainable_weights})
+        save_npz(cfg.initial_weights_out, by_path(model.trainable_weights))
     n_examples, keep_partial = data.n_examples, data.keeps_partial_batch
     total, per_epoch = step_plan(n_examples, cfg.batch_size, cfg.epochs, cfg.steps, keep_partial)
     recorder, shown = LossRecorder(hvd), ShowProgress()
@@ -227,7 +226,7 @@ def fit_model(
     if hvd is not None:
         callbacks.append(MetricAverage(hvd))
     history: dict[str, list[float]] = {"loss": []}
-    predict = tf.function(lambda x: model(x, training=False), reduce_retracing=True)
+    predict = predictor(model)
     held_out, started, waited = {}, time.perf_counter(), 0.0
     n_epochs, style = -(-total // per_epoch), log.progress_style(cfg.progress, world.launcher)
     with averaging_gradients(model, hvd, cfg.fp16_allreduce) if hvd else nullcontext():

@@ -88,6 +88,11 @@ def receive_weights(model, weights: dict) -> None:
         by_path[name].assign(value)
 
 
+def predictor(model):
+    """The model's inference call, compiled once for every chunk size."""
+    return tf.function(lambda x: model(x, training=False), reduce_retracing=True)
+
+
 def base_learning_rate(optimizer) -> float | None:
     """The compiled constant rate, which --scale-lr and --warmup-epochs act on; None when a
     schedule sets it."""
