@@ -19,8 +19,7 @@ from ringtrain.dataparallel.keras_fit import (
 world = runtime.start(with_horovod=True)  # MPI (THREAD_MULTIPLE), thread pools, hvd.init
 hvd = world.hvd
 data = ringtrain.load_digits()
-spec = ringtrain.mlp(data.input_shape, data.n_classes)
-model = keras.Sequential([keras.Input(data.input_shape), *spec.build(range(len(spec)), seed=0)])
+model = ringtrain.mlp(data.input_shape, data.n_classes)  # a keras.Sequential
 
 cfg = ringtrain.TrainConfig(lr=1e-3, scale_lr=True, warmup_epochs=1)  # users who keep the
 per_rank_batch = 32  # per-rank batch fixed scale the LR by the rank count, after a warm-up

@@ -22,7 +22,6 @@ _EXPORTS = {
     "Dataset": "ringtrain.data",
     "load_dataset": "ringtrain.data",
     "load_digits": "ringtrain.data",
-    "ModelSpec": "ringtrain.models",
     "mlp": "ringtrain.models",
     "cnn": "ringtrain.models",
     "transformer": "ringtrain.models",

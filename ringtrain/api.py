@@ -1,12 +1,14 @@
-"""The Python entry points: `fit` a user's own compiled Keras model, as Keras's `fit` would
-on one process, or `train` a built-in model (a list of elements), under any strategy.
+"""The Python entry points: `fit` a compiled Keras model as Keras's `fit` would on one
+process, under any strategy; `train` is the layer beneath it (and beneath the CLI), which
+takes the whole configuration at once.
 
-    from ringtrain import TrainConfig, train, mlp, load_digits
-    data = load_digits()
-    result = train(mlp(data.input_shape, data.n_classes), data, TrainConfig(strategy="data"))
+    import ringtrain
+    data = ringtrain.load_digits()
+    model = ringtrain.mlp(data.input_shape, data.n_classes)  # or any keras.Model
+    model.compile(optimizer="adam", loss=..., metrics=["accuracy"])
+    ringtrain.fit(model, data.x, data.y, strategy="data", batch_size=64, epochs=2)
 
-Run it under `horovodrun`/`mpirun`/`srun`; every rank calls train() with the same arguments.
-The CLI is a thin layer over this function.
+Run it under `horovodrun`/`mpirun`/`srun`; every rank makes the same call.
 """
 
 from __future__ import annotations
@@ -20,16 +22,15 @@ from typing import Any
 import numpy as np
 
 from ringtrain import heartbeat, log, loop, runtime
-from ringtrain.config import TrainConfig, check_paths, pp_size_of
+from ringtrain.config import TrainConfig, check_paths, pp_size_of, runs_stages, uses_horovod
 from ringtrain.data import Dataset, Examples, UserData, step_plan
 from ringtrain.deadline import step_traffic, transfer_time
 from ringtrain.errors import UserError, alike_on_every_rank
 from ringtrain.guard import Watchdog, finite_on_every_rank, non_finite
 from ringtrain.launch.env import who_am_i
 from ringtrain.launch.keepalive import keepalive_warning
-from ringtrain.models import ModelSpec
 from ringtrain.pipeline.schedule import pipeline_schedule
-from ringtrain.validation import validate_flags, validate_user_model
+from ringtrain.validation import validate_flags
 from ringtrain.weights import by_path, save_npz
 
 
@@ -41,57 +42,29 @@ class TrainResult:
     weights: dict[str, np.ndarray] | None
 
 
-def make_engine(spec: ModelSpec, data: Dataset, cfg: TrainConfig, world: runtime.World):
-    """The engine this strategy runs on, and its replica count dp_size (for LR scaling)."""
-    if cfg.strategy in ("single", "data") or (cfg.strategy == "hybrid" and cfg.pp_size == 1):
-        from ringtrain.dataparallel.engine import DataParallelEngine
-
-        return DataParallelEngine(spec, data, cfg, world), world.size
-    from ringtrain.pipeline.engine import PipelineEngine
-
-    engine = PipelineEngine(spec, data, cfg, world)
-    return engine, engine.grid.dp_size
-
-
-def train(spec: ModelSpec, data: Dataset, cfg: TrainConfig) -> TrainResult:
-    """Validate identically on every rank, start the runtime, train, write rank 0's outputs."""
-    me = who_am_i()
-    with alike_on_every_rank(me.rank):  # the same verdict everywhere, so no rank waits
-        validate_flags(cfg, me.world_size, len(spec))
-        step_plan(len(data.x), cfg.batch_size, cfg.epochs, cfg.steps)
-        _check_fit(spec)
-    if cfg.loop == "fit" and cfg.strategy in ("single", "data"):
-        from ringtrain.dataparallel.keras_fit import fit
-
-        return _run(
-            cfg, f"model of {len(spec)} elements", lambda w, dog: fit(spec, data, cfg, w, dog)
-        )
-    return _run(
-        cfg,
-        f"model of {len(spec)} elements",
-        _looped(data, cfg, lambda w: make_engine(spec, data, cfg, w)),
-    )
-
-
-def train_keras(
+def train(
     model,
-    data: UserData,
+    data: Dataset | UserData,
     cfg: TrainConfig,
     given: Collection[str] = (),
     callbacks: Sequence = (),
 ) -> TrainResult:
-    """`train` for a user's own compiled Keras model, which ends up trained on rank 0 (on
-    every rank under data parallelism). `given` names the settings the caller chose (a
-    compiled model refuses some of them); `callbacks` are Keras callbacks, run on rank 0."""
+    """Train a compiled Keras model (a built-in or the user's own) under cfg's strategy: it
+    ends up trained on rank 0 (on every rank under data parallelism). Validates alike on
+    every rank, starts the runtime, writes rank 0's outputs. `given` names the settings the
+    caller chose (a user's compiled model refuses some of them); `callbacks` are Keras
+    callbacks, run on rank 0."""
     from ringtrain.keras_model.callbacks import EpochCallbacks, check_callbacks
     from ringtrain.keras_model.compiled import base_learning_rate, check_compiled, receive_weights
 
     me = who_am_i()
     with alike_on_every_rank(me.rank):
-        validate_user_model(cfg, me.world_size, given)
+        validate_flags(cfg, me.world_size, given)
         check_compiled(model, "the model")
         check_callbacks(callbacks)
-        total, per_epoch = step_plan(data.n_examples, cfg.batch_size, cfg.epochs, cfg.steps, True)
+        total, per_epoch = step_plan(
+            data.n_examples, cfg.batch_size, cfg.epochs, cfg.steps, data.keeps_partial_batch
+        )
         if base_learning_rate(model.optimizer) is None and (cfg.scale_lr or cfg.warmup_epochs):
             raise UserError(
                 "--scale-lr and --warmup-epochs act on a constant compiled learning rate; "
@@ -112,7 +85,7 @@ def train_keras(
                 raise UserError("Keras callbacks run at the epoch ends of --loop custom only")
             train_on = _fitted(model, data, cfg)
         else:
-            make = _keras_engine(model, data, cfg, me.world_size)
+            make = engine_for(model, data, cfg, me.world_size)
     hooks = None
     if callbacks:
         hooks = EpochCallbacks(callbacks, model, me.rank, -(-total // per_epoch), per_epoch)
@@ -148,13 +121,14 @@ def _last_epoch_logs(metrics: dict) -> dict:
     return {name: values[-1] for name, values in metrics.get("history", {}).items() if values}
 
 
-def _keras_engine(model, data: UserData, cfg: TrainConfig, world_size: int):
+def engine_for(model, data: Dataset | UserData, cfg: TrainConfig, world_size: int):
     """What builds the engine once the runtime runs; a graph that cannot be cut as asked is
-    refused here, before it starts, alike on every rank."""
-    if pp_size_of(cfg, world_size) == 1:
-        from ringtrain.dataparallel.keras_engine import KerasDataParallelEngine
+    refused here, before it starts, alike on every rank. `pipeline` and `model` on one rank
+    still run stages (all of them on that rank)."""
+    if not runs_stages(cfg):
+        from ringtrain.dataparallel.engine import DataParallelEngine
 
-        return lambda world: (KerasDataParallelEngine(model, data, cfg, world), world.size)
+        return lambda world: (DataParallelEngine(model, data, cfg, world), world.size)
     from ringtrain.keras_model.graph import split_graph
     from ringtrain.pipeline.engine import PipelineEngine
     from ringtrain.pipeline.split import GraphPlan
@@ -195,7 +169,7 @@ def _run(cfg: TrainConfig, what: str, train_on) -> TrainResult:
     """Start the runtime, train with `train_on(world, watchdog)`, write rank 0's outputs."""
     check_paths(cfg)
     world = runtime.start(
-        with_horovod=cfg.strategy in ("data", "hybrid"),
+        with_horovod=uses_horovod(cfg),
         process_sets=_hybrid_process_sets(cfg),
     )
     # From here on every collective is covered: a rank that stops answering aborts the job.
@@ -242,15 +216,6 @@ def save_keras(model, path: str) -> None:
     tmp = f"{path}.tmp-{os.getpid()}.keras"
     model.save(tmp)
     os.replace(tmp, path)
-
-
-def _check_fit(spec: ModelSpec) -> None:
-    """Trace the shapes through the elements, so a model that cannot take the data's rows
-    (a cnn on flat features) is a bad input, not a crash inside a stage."""
-    try:
-        spec.shapes()
-    except ValueError as exc:
-        raise UserError(f"the model does not fit rows of shape {spec.input_shape}: {exc}") from None
 
 
 def _hybrid_process_sets(cfg: TrainConfig) -> list[list[int]] | None:
@@ -308,7 +273,7 @@ def fit(
         **options,
     )
     data = UserData(Examples(x, y), validation)
-    result = train_keras(model, data, cfg, given=set(options), callbacks=callbacks or ())
+    result = train(model, data, cfg, given=set(options), callbacks=callbacks or ())
     return history_of(model, result.metrics)
 
 

@@ -18,6 +18,7 @@ from ringtrain.config import (
     is_schedule_file,
     options,
     shape_from_text,
+    uses_horovod,
 )
 from ringtrain.errors import (
     EXIT_CHECKPOINTED,
@@ -115,15 +116,12 @@ def _microbatches(strategy: str, schedule: str) -> int:
 
 def run_train(args: argparse.Namespace) -> int:
     """Every check that needs no model runs before TensorFlow loads (5 s of CPU per rank)."""
-    from ringtrain.validation import validate_flags, validate_user_model
+    from ringtrain.validation import validate_flags
 
     me = _who_am_i()
     with alike_on_every_rank(me.rank):  # flags first: the same verdict on every rank
         cfg = config_from_args(args)
-        if is_model_function(cfg.model):
-            validate_user_model(cfg, me.world_size, typed_flags(args))
-        else:
-            validate_flags(cfg, me.world_size)
+        validate_flags(cfg, me.world_size, typed_flags(args))
         _check_user_flags(args, cfg)
     if me.source == "single" and shutil.which("mpirun") is None:
         # Without a launcher Open MPI starts a singleton, which still needs its runtime.
@@ -137,17 +135,19 @@ def run_train(args: argparse.Namespace) -> int:
     if is_model_function(cfg.model):
         return _finished(cfg, _train_user_model(args, cfg, me, wait_for))
     data = _agreed(lambda: _outputs_and_data(cfg), me, wait_for)
+    from ringtrain import runtime
     from ringtrain.api import train  # TensorFlow loads here, once the inputs are known good
-    from ringtrain.models import BUILTIN
+    from ringtrain.models import builtin
 
-    return _finished(cfg, train(BUILTIN[cfg.model](data.input_shape, data.n_classes), data, cfg))
+    runtime.init(uses_horovod(cfg))  # before the first TensorFlow op: pools are set once
+    with alike_on_every_rank(me.rank):
+        model = builtin(cfg, data.input_shape, data.n_classes)
+    return _finished(cfg, train(model, data, cfg))
 
 
 def _check_user_flags(args: argparse.Namespace, cfg: TrainConfig) -> None:
     check_source_flags(cfg.model, args.model_arg, args.data, cfg.dataset)
     check_file_flags(args, cfg.dataset)
-    if cfg.save and not is_model_function(cfg.model):
-        raise UserError("--save writes a --model FUNCTION's model; built-ins have --weights-out")
 
 
 def _train_user_model(args: argparse.Namespace, cfg: TrainConfig, me, wait_for: float):
@@ -158,12 +158,12 @@ def _train_user_model(args: argparse.Namespace, cfg: TrainConfig, me, wait_for: 
         wait_for,
     )
     from ringtrain import runtime
-    from ringtrain.api import train_keras
+    from ringtrain.api import train
 
-    runtime.init()  # before the user's code runs a TensorFlow op
+    runtime.init(uses_horovod(cfg))  # before the user's code runs a TensorFlow op
     with alike_on_every_rank(me.rank):  # the same files on every node: the same verdict
         model = build_user_model(cfg.model, args.model_arg, cfg.seed)
-    return train_keras(model, data, cfg, typed_flags(args))
+    return train(model, data, cfg, typed_flags(args))
 
 
 def _finished(cfg: TrainConfig, result) -> int:

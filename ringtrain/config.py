@@ -250,8 +250,8 @@ class TrainConfig:
     split_at: str | None = field(
         default=None,
         metadata=flag(
-            "LAYER,...: each of the P-1 named layers of a --model FUNCTION's graph begins a new "
-            "stage (instead of --partition)",
+            "LAYER,...: each of the P-1 named layers of the model's graph begins a new stage "
+            "(instead of --partition; a built-in's layers are layer00, layer01, ...)",
             metavar="LAYER,...",
         ),
     )
@@ -330,8 +330,7 @@ class TrainConfig:
     save: str | None = field(
         default=None,
         metadata=flag(
-            "rank 0 saves the trained model here in Keras's format (PATH.keras; a --model "
-            "FUNCTION's model only)",
+            "rank 0 saves the trained model here in Keras's format (PATH.keras)",
             path=check_keras_file,
         ),
     )
@@ -473,6 +472,16 @@ def check_paths(cfg: TrainConfig) -> None:
     for o in options():
         if o.flag.path:
             o.flag.path(o.option, getattr(cfg, o.name))
+
+
+def uses_horovod(cfg: TrainConfig) -> bool:
+    """Whether the run averages gradients with Horovod (so starts it)."""
+    return cfg.strategy in ("data", "hybrid")
+
+
+def runs_stages(cfg: TrainConfig) -> bool:
+    """Whether the run cuts the model into pipeline stages (on one rank too: all of them)."""
+    return cfg.strategy in ("model", "pipeline") or (cfg.strategy == "hybrid" and cfg.pp_size != 1)
 
 
 def pp_size_of(cfg: TrainConfig, world_size: int) -> int:

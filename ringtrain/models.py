@@ -1,15 +1,16 @@
-"""Built-in models as ordered lists of elements, with strategy-independent initialisation.
+"""Built-in models: ordinary Keras Sequential models, trained on the same path as a user's own.
 
-An element maps one tensor to one tensor (a residual block is one element). Its weights are drawn
-from (run seed, element index, variable index) alone, so a pipeline stage that builds only its own
-elements starts from exactly the weights single-process training starts from.
+Each layer maps one tensor to one tensor (a residual block is one layer), so a pipeline may cut
+between any two. Layers are named layerNN, so their weights keep stable names (layerNN/...)
+under every strategy, and are drawn from (run seed, layer index, variable index) alone: the
+same model in every process, whatever Keras's own random state.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -18,35 +19,9 @@ from ringtrain.tensorflow_loader import tf  # before Keras: keeps scikit-learn o
 # isort: split
 import keras
 
-
-@dataclass
-class ModelSpec:
-    """A model as element factories; a factory is cheap and creates no weights until built."""
-
-    input_shape: tuple[int, ...]
-    factories: list[Callable[[], keras.layers.Layer]]
-
-    def __len__(self) -> int:
-        return len(self.factories)
-
-    def shapes(self) -> list[tuple[int, ...]]:
-        """Input shape of every element and the output shape of the last, without any weights."""
-        shapes = [tuple(self.input_shape)]
-        for factory in self.factories:
-            out = factory().compute_output_shape((None, *shapes[-1]))
-            shapes.append(tuple(int(d) for d in out[1:]))
-        return shapes
-
-    def build(self, indices: Sequence[int], seed: int) -> list[keras.layers.Layer]:
-        """Build and initialise only the elements named by indices."""
-        shapes = self.shapes()
-        elements = []
-        for i in indices:
-            layer = self.factories[i]()
-            layer.build((None, *shapes[i]))
-            initialise(layer, seed, i)
-            elements.append(layer)
-        return elements
+from ringtrain.config import TrainConfig
+from ringtrain.errors import UserError
+from ringtrain.optim import make_optimizer
 
 
 def _initial_value(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
@@ -68,17 +43,22 @@ def initialise(layer: keras.layers.Layer, seed: int, index: int) -> None:
         variable.assign(_initial_value(variable.name, tuple(variable.shape), rng))
 
 
-def element_name(index: int) -> str:
-    """Stable element names give stable weight names (layerNN/...) under every strategy."""
-    return f"layer{index:02d}"
+def _saved(cls):
+    """Registered with Keras, so `--save`'s file loads back once ringtrain.models is imported."""
+    return keras.saving.register_keras_serializable(package="ringtrain")(cls)
 
 
+@_saved
 class FlatDense(keras.layers.Layer):
-    """Flatten then Dense, as one element, because a bare Flatten owns no weights."""
+    """Flatten then Dense, as one layer, because a bare Flatten owns no weights."""
 
     def __init__(self, units: int, activation: str | None = None, **kwargs):
         super().__init__(**kwargs)
         self.units, self.activation = units, keras.activations.get(activation)
+
+    def get_config(self) -> dict:
+        activation = keras.activations.serialize(self.activation)
+        return {**super().get_config(), "units": self.units, "activation": activation}
 
     def build(self, input_shape):
         features = int(np.prod(input_shape[1:]))
@@ -93,12 +73,16 @@ class FlatDense(keras.layers.Layer):
         return (input_shape[0], self.units)
 
 
+@_saved
 class TokenEmbedding(keras.layers.Layer):
     """Rows of an image become tokens: (H, W, C) -> (H, d) plus a learned position embedding."""
 
     def __init__(self, dim: int, **kwargs):
         super().__init__(**kwargs)
         self.dim = dim
+
+    def get_config(self) -> dict:
+        return {**super().get_config(), "dim": self.dim}
 
     def build(self, input_shape):
         tokens, features = int(input_shape[1]), int(np.prod(input_shape[2:]))
@@ -114,8 +98,9 @@ class TokenEmbedding(keras.layers.Layer):
         return (input_shape[0], input_shape[1], self.dim)
 
 
+@_saved
 class EncoderBlock(keras.layers.Layer):
-    """Pre-norm Transformer encoder block (attention + MLP, both residual) as one element.
+    """Pre-norm Transformer encoder block (attention + MLP, both residual) as one layer.
 
     The key projection has no bias: softmax ignores a per-query shift, so that bias would only
     receive rounding noise as gradient, which Adam amplifies into strategy-dependent updates.
@@ -124,6 +109,9 @@ class EncoderBlock(keras.layers.Layer):
     def __init__(self, heads: int, hidden: int, **kwargs):
         super().__init__(**kwargs)
         self.heads, self.hidden = heads, hidden
+
+    def get_config(self) -> dict:
+        return {**super().get_config(), "heads": self.heads, "hidden": self.hidden}
 
     def build(self, input_shape):
         dim = int(input_shape[-1])
@@ -171,12 +159,16 @@ class EncoderBlock(keras.layers.Layer):
         return input_shape
 
 
+@_saved
 class MeanPoolDense(keras.layers.Layer):
     """Average the tokens, then classify: the transformer's head."""
 
     def __init__(self, units: int, **kwargs):
         super().__init__(**kwargs)
         self.units = units
+
+    def get_config(self) -> dict:
+        return {**super().get_config(), "units": self.units}
 
     def build(self, input_shape):
         self.kernel = self.add_weight(name="kernel", shape=(int(input_shape[-1]), self.units))
@@ -189,82 +181,91 @@ class MeanPoolDense(keras.layers.Layer):
         return (input_shape[0], self.units)
 
 
-def _named(
-    factories: list[Callable[[str], keras.layers.Layer]],
-) -> list[Callable[[], keras.layers.Layer]]:
-    return [lambda f=f, i=i: f(element_name(i)) for i, f in enumerate(factories)]
+def sequential(
+    name: str, input_shape: tuple[int, ...], layers: Sequence[keras.layers.Layer], seed: int
+) -> keras.Sequential:
+    """Layers in order as one model. Each is built and initialised alone first, so its weights
+    are named layerNN/... rather than after the model."""
+    shape = (None, *input_shape)
+    for i, layer in enumerate(layers):
+        layer.build(shape)
+        initialise(layer, seed, i)
+        shape = layer.compute_output_shape(shape)
+    return keras.Sequential([keras.Input(input_shape), *layers], name=name)
 
 
 def mlp(
-    input_shape: tuple[int, ...], n_classes: int, widths: Sequence[int] = (128, 128, 64)
-) -> ModelSpec:
-    """Dense elements (four by default): small enough to test on 4 stages, deep enough to
+    input_shape: tuple[int, ...],
+    n_classes: int,
+    widths: Sequence[int] = (128, 128, 64),
+    seed: int = 0,
+) -> keras.Sequential:
+    """Dense layers (four by default): small enough to test on 4 stages, deep enough to
     split; wider ones make a model whose gradients outweigh its compute."""
     first, *rest = widths
-    return ModelSpec(
-        input_shape,
-        _named(
-            [
-                lambda n: FlatDense(first, "relu", name=n),
-                *(lambda n, w=w: keras.layers.Dense(w, "relu", name=n) for w in rest),
-                lambda n: keras.layers.Dense(n_classes, name=n),
-            ]
-        ),
-    )
+    name = layer_names()
+    layers = [
+        FlatDense(first, "relu", name=next(name)),
+        *(keras.layers.Dense(w, "relu", name=next(name)) for w in rest),
+        keras.layers.Dense(n_classes, name=next(name)),
+    ]
+    return sequential("mlp", input_shape, layers, seed)
 
 
-def cnn(input_shape: tuple[int, ...], n_classes: int) -> ModelSpec:
-    """Two convolutions, then two dense elements."""
-    return ModelSpec(
-        input_shape,
-        _named(
-            [
-                lambda n: keras.layers.Conv2D(16, 3, padding="same", activation="relu", name=n),
-                lambda n: keras.layers.Conv2D(
-                    32, 3, strides=2, padding="same", activation="relu", name=n
-                ),
-                lambda n: FlatDense(64, "relu", name=n),
-                lambda n: keras.layers.Dense(n_classes, name=n),
-            ]
-        ),
-    )
+def cnn(input_shape: tuple[int, ...], n_classes: int, seed: int = 0) -> keras.Sequential:
+    """Two convolutions, then two dense layers."""
+    name = layer_names()
+    layers = [
+        keras.layers.Conv2D(16, 3, padding="same", activation="relu", name=next(name)),
+        keras.layers.Conv2D(32, 3, strides=2, padding="same", activation="relu", name=next(name)),
+        FlatDense(64, "relu", name=next(name)),
+        keras.layers.Dense(n_classes, name=next(name)),
+    ]
+    return sequential("cnn", input_shape, layers, seed)
 
 
 def transformer(
-    input_shape: tuple[int, ...], n_classes: int, dim: int = 32, blocks: int = 2
-) -> ModelSpec:
+    input_shape: tuple[int, ...], n_classes: int, dim: int = 32, blocks: int = 2, seed: int = 0
+) -> keras.Sequential:
     """Image rows as tokens, a few encoder blocks, a mean-pool classifier."""
-    blocks_list = [lambda n: EncoderBlock(heads=4, hidden=2 * dim, name=n)] * blocks
-    return ModelSpec(
-        input_shape,
-        _named(
-            [
-                lambda n: TokenEmbedding(dim, name=n),
-                *blocks_list,
-                lambda n: MeanPoolDense(n_classes, name=n),
-            ]
-        ),
-    )
+    name = layer_names()
+    layers = [
+        TokenEmbedding(dim, name=next(name)),
+        *(EncoderBlock(heads=4, hidden=2 * dim, name=next(name)) for _ in range(blocks)),
+        MeanPoolDense(n_classes, name=next(name)),
+    ]
+    return sequential("transformer", input_shape, layers, seed)
+
+
+def layer_names() -> Iterator[str]:
+    """layer00, layer01, ...: stable layer names give stable weight names under every
+    strategy."""
+    return (f"layer{i:02d}" for i in itertools.count())
 
 
 BUILTIN = {"mlp": mlp, "cnn": cnn, "transformer": transformer}
 
 
-def forward(elements: Sequence[keras.layers.Layer], x: tf.Tensor) -> tf.Tensor:
-    """Apply elements in order: a whole model or one pipeline stage."""
-    for element in elements:
-        x = element(x)
-    return x
-
-
-def trainable_variables(elements: Sequence[keras.layers.Layer]) -> list:
-    return [v for element in elements for v in element.trainable_weights]
-
-
-def loss_fn(labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
-    """Mean cross-entropy over the examples given."""
-    return tf.reduce_mean(
-        tf.nn.sparse_softmax_cross_entropy_with_logits(
-            labels=tf.cast(labels, tf.int32), logits=logits
-        )
+def compile_classifier(
+    model: keras.Model, optimizer: str = "sgd", lr: float = 0.05, clip_norm: float | None = None
+) -> keras.Model:
+    """Compile a built-in as a user would: mean cross-entropy on its logits, accuracy."""
+    model.compile(
+        optimizer=make_optimizer(optimizer, lr, clip_norm),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
     )
+    return model
+
+
+def builtin(cfg: TrainConfig, input_shape: tuple[int, ...], n_classes: int) -> keras.Model:
+    """`--model NAME`: the built-in, compiled with --optimizer at --lr and --clip-norm. A model
+    that cannot take the data's rows (a cnn on flat features) is a bad input, not a crash."""
+    try:
+        model = BUILTIN[cfg.model](input_shape, n_classes, seed=cfg.seed)
+    except ValueError as exc:
+        problem = str(exc).strip().splitlines()[0]
+        raise UserError(
+            f"--model {cfg.model} does not fit rows of shape {input_shape}: {problem}"
+        ) from None
+    return compile_classifier(model, cfg.optimizer, cfg.lr, cfg.clip_norm)

@@ -10,13 +10,16 @@ import keras
 from ringtrain.config import TrainConfig
 
 
-def make_optimizer(cfg: TrainConfig) -> keras.optimizers.Optimizer:
-    """A fixed name, because Horovod names its broadcasts after the optimizer's variables:
-    Keras's automatic names ("adam_1", ...) count optimizers per process, so one extra optimizer
-    on one rank would leave the ranks waiting on differently named broadcasts forever."""
-    if cfg.optimizer == "sgd":
-        return keras.optimizers.SGD(learning_rate=cfg.lr, name="ringtrain_sgd")
-    return keras.optimizers.Adam(learning_rate=cfg.lr, name="ringtrain_adam")
+def make_optimizer(
+    kind: str, lr: float, clip_norm: float | None = None
+) -> keras.optimizers.Optimizer:
+    """--optimizer sgd|adam at --lr; --clip-norm clips by the norm of all the gradients
+    together (a pipeline takes that norm across its stages). A fixed name, because Horovod
+    names its broadcasts after the optimizer's variables: Keras's automatic names ("adam_1",
+    ...) count optimizers per process, so one extra optimizer on one rank would leave the
+    ranks waiting on differently named broadcasts forever."""
+    optimizer = keras.optimizers.SGD if kind == "sgd" else keras.optimizers.Adam
+    return optimizer(learning_rate=lr, global_clipnorm=clip_norm, name=f"ringtrain_{kind}")
 
 
 class LearningRate:

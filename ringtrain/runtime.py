@@ -106,9 +106,14 @@ def default_cycle_time(spare_core: bool) -> str:
     return "0.1" if spare_core else "1"
 
 
+_launched_by: list[str] = []  # what started the job, as seen before ringtrain started MPI
+
+
 def start_mpi(local_size: int):
     """MPI with MULTIPLE thread support, after the node defaults it reads; returns COMM_WORLD.
     Safe to call again: MPI starts once."""
+    if not _launched_by:  # once MPI runs, who_am_i would say "mpi4py" whoever launched us
+        _launched_by.append(who_am_i().source)
     tune_environment(local_size)
     import mpi4py
 
@@ -146,11 +151,11 @@ def size_threads(with_horovod: bool = True) -> bool:
     return True
 
 
-def init() -> None:
+def init(with_horovod: bool = True) -> None:
     """For a script that builds its own Keras model: call first, so each rank's TensorFlow
     runs on its share of the cores (as horovod's users call hvd.init() first)."""
     start_mpi(who_am_i().local_size)
-    size_threads()
+    size_threads(with_horovod)
 
 
 def start(
@@ -173,5 +178,12 @@ def start(
         sets = [hvd.ProcessSet(ranks) for ranks in process_sets or []]
         init_horovod(hvd, comm, sets)
     return World(
-        comm.Get_rank(), comm.Get_size(), me.local_rank, me.local_size, comm, hvd, sets, me.source
+        comm.Get_rank(),
+        comm.Get_size(),
+        me.local_rank,
+        me.local_size,
+        comm,
+        hvd,
+        sets,
+        _launched_by[0],
     )

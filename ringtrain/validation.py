@@ -10,36 +10,44 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from ringtrain.config import TrainConfig, check_paths, check_values, pp_size_of
+from ringtrain.config import (
+    TrainConfig,
+    check_paths,
+    check_values,
+    is_model_function,
+    pp_size_of,
+    runs_stages,
+)
 from ringtrain.errors import UserError
 from ringtrain.pipeline.schedule import pipeline_schedule
 from ringtrain.pipeline.tags import MPI_TAG_LIMIT, message_tag
 
 
-def validate(cfg: TrainConfig, world_size: int, n_elements: int | None = None) -> None:
+def validate(cfg: TrainConfig, world_size: int, given: Collection[str] = ()) -> None:
     """Raise UserError for the first problem in the flags or the output paths."""
-    validate_flags(cfg, world_size, n_elements)
+    validate_flags(cfg, world_size, given)
     check_paths(cfg)
 
 
-BUILT_IN_ONLY = {  # flags that configure ringtrain's own models, or its custom loop's extras
+COMPILED_ELSEWHERE = {  # flags that compile a built-in; a user's model says these in compile()
     "optimizer": "the compiled optimizer",
     "lr": "the compiled learning rate",
     "clip_norm": "the compiled optimizer's clipnorm, clipvalue or global_clipnorm",
 }
 
 
-def validate_user_model(cfg: TrainConfig, world_size: int, given: Collection[str] = ()) -> None:
-    """The flags a user's own compiled model can run with; `given` names the flags set on the
-    command line (the Python API passes what its caller set)."""
+def validate_flags(cfg: TrainConfig, world_size: int, given: Collection[str] = ()) -> None:
+    """Pure: the same flags give the same answer on every rank, before any collective.
+    `given` names the flags set on the command line (the Python API passes what its caller
+    set): a user's compiled model refuses those that would compile it again."""
     check_values(cfg)
     if cfg.epochs is not None and cfg.steps is not None:
         raise UserError("give either --epochs or --steps, not both")
-    if cfg.split_at and pp_size_of(cfg, world_size) == 1:
+    if cfg.split_at and not runs_stages(cfg):
         raise UserError(f"--split-at cuts pipeline stages, not --strategy {cfg.strategy}")
     _validate_strategy_shape(cfg, world_size)
     pp_size = pp_size_of(cfg, world_size)
-    _validate_pipeline(cfg, pp_size, None)
+    _validate_pipeline(cfg, pp_size)
     _validate_fit_loop(cfg)
     _validate_bucketing(cfg)
     if cfg.accumulate > 1 and cfg.strategy not in ("single", "data"):
@@ -47,45 +55,20 @@ def validate_user_model(cfg: TrainConfig, world_size: int, given: Collection[str
             "--accumulate slices a data-parallel share (--strategy single or data); "
             "a pipeline has --microbatches"
         )
-    shares = world_size // pp_size * (cfg.microbatches if pp_size > 1 else cfg.accumulate)
+    shares = world_size // pp_size * (cfg.microbatches if runs_stages(cfg) else cfg.accumulate)
     if cfg.batch_size < shares:
         raise UserError(
             f"global batch {cfg.batch_size} is smaller than the {shares} shares it is cut into"
         )
-    for name, instead in BUILT_IN_ONLY.items():
+    _validate_checkpointing(cfg)
+    if not is_model_function(cfg.model):
+        return
+    for name, instead in COMPILED_ELSEWHERE.items():
         if name in given:
             flag = "--" + name.replace("_", "-")
-            use = f"; set {instead} in compile() instead" if instead else ""
-            raise UserError(f"{flag} does not apply to a compiled model{use}")
-
-
-def validate_flags(cfg: TrainConfig, world_size: int, n_elements: int | None = None) -> None:
-    """Pure: the same flags give the same answer on every rank, before any collective."""
-    check_values(cfg)
-    if cfg.epochs is not None and cfg.steps is not None:
-        raise UserError("give either --epochs or --steps, not both")
-    _validate_fit_loop(cfg)
-    _validate_bucketing(cfg)
-    if cfg.split_at:
-        raise UserError("--split-at names layers of a --model FUNCTION's graph, not a built-in")
-    _validate_strategy_shape(cfg, world_size)
-    pp_size = pp_size_of(cfg, world_size)
-    dp_size = world_size // pp_size
-    _validate_pipeline(cfg, pp_size, n_elements)
-    per_replica, rest = divmod(cfg.batch_size, dp_size)
-    if rest:
-        raise UserError(
-            f"global batch {cfg.batch_size} is not divisible by {dp_size} data-parallel ranks"
-        )
-    if per_replica % cfg.microbatches:
-        raise UserError(
-            f"batch {per_replica} per replica is not divisible by --microbatches {cfg.microbatches}"
-        )
-    if pp_size == 1 and per_replica % cfg.accumulate:
-        raise UserError(
-            f"batch {per_replica} per rank is not divisible by --accumulate {cfg.accumulate}"
-        )
-    _validate_checkpointing(cfg)
+            raise UserError(
+                f"{flag} does not apply to a compiled model; set {instead} in compile() instead"
+            )
 
 
 def _validate_fit_loop(cfg: TrainConfig) -> None:
@@ -127,11 +110,12 @@ def _validate_strategy_shape(cfg: TrainConfig, world_size: int) -> None:
         raise UserError("--strategy model is the naive split with one microbatch; use pipeline")
 
 
-def _validate_pipeline(cfg: TrainConfig, pp_size: int, n_elements: int | None) -> None:
-    """The schedule fits the pipeline: its kind, virtual stages, microbatches, a file's ranks,
-    the model's elements and the MPI tags its messages need."""
-    plain = cfg.strategy == "hybrid" and cfg.pp_size == 1  # data parallelism: no stages
-    if cfg.strategy not in ("model", "pipeline", "hybrid") or plain:
+def _validate_pipeline(cfg: TrainConfig, pp_size: int) -> None:
+    """The schedule fits the pipeline: its kind, virtual stages, microbatches, a file's ranks
+    and the MPI tags its messages need. Whether the model has that many stages to cut is the
+    graph's question, asked once it is built."""
+    if not runs_stages(cfg):
+        plain = cfg.strategy == "hybrid"  # --pp-size 1: data parallelism, no stages
         strategy = "hybrid --pp-size 1" if plain else cfg.strategy
         for flag, given in (
             ("--recompute", cfg.recompute),
@@ -160,11 +144,6 @@ def _validate_pipeline(cfg: TrainConfig, pp_size: int, n_elements: int | None) -
         raise UserError(
             f"--schedule {cfg.schedule} has {schedule.microbatches} microbatches, "
             f"but --microbatches is {cfg.microbatches}"
-        )
-    if n_elements is not None and schedule.n_stages > n_elements:
-        raise UserError(
-            f"{schedule.n_stages} pipeline stages but model {cfg.model!r} has only "
-            f"{n_elements} layers"
         )
     if message_tag(schedule.n_stages, cfg.microbatches, schedule.n_stages) > MPI_TAG_LIMIT:
         raise UserError(

@@ -1,5 +1,6 @@
-"""Weights on disk under stable names (layerNN/<path inside the element>), the same for every
-strategy, so any run's output loads into the single-process model with one call."""
+"""Weights on disk under stable names (the variables' paths: layerNN/... for a built-in), the
+same for every strategy, so any run's output loads into the single-process model with one
+call."""
 
 from __future__ import annotations
 
@@ -16,11 +17,6 @@ def by_path(variables: Sequence) -> dict[str, np.ndarray]:
     return {v.path: np.asarray(v.numpy()) for v in variables}
 
 
-def named_weights(elements: Sequence) -> dict[str, np.ndarray]:
-    """Trainable weights of built elements, keyed by their stable names, in model order."""
-    return by_path([v for e in elements for v in e.trainable_weights])
-
-
 def save_npz(path: str, weights: dict[str, np.ndarray]) -> None:
     """Write atomically: a crash leaves either the old file or the new one, never half of one."""
     tmp = f"{path}.tmp-{os.getpid()}.npz"
@@ -28,14 +24,14 @@ def save_npz(path: str, weights: dict[str, np.ndarray]) -> None:
     os.replace(tmp, path)
 
 
-def load_weights(elements: Sequence, path: str) -> None:
-    """Load a --weights-out file into built elements (e.g. ModelSpec.build(range(n), seed))."""
+def load_weights(model, path: str) -> None:
+    """Load a --weights-out file into a model of the same layers (e.g. a built-in made by
+    ringtrain.mlp with the run's shapes): each weight by its path, never unpickled."""
     with np.load(path, allow_pickle=False) as stored:
-        for element in elements:
-            for variable in element.trainable_weights:
-                if variable.path not in stored.files:
-                    raise UserError(f"{path} has no weight {variable.path}")
-                variable.assign(stored[variable.path])
+        for variable in model.trainable_weights:
+            if variable.path not in stored.files:
+                raise UserError(f"{path} has no weight {variable.path}")
+            variable.assign(stored[variable.path])
 
 
 def variable_bytes(variables: Sequence) -> list[int]:

@@ -23,11 +23,11 @@ from reference import ReferenceRun, compare_with, train_reference, weights_diges
 from reference import load_digits as reference_digits
 
 from ringtrain import loop, runtime
-from ringtrain.api import make_engine
+from ringtrain.api import _fitted, engine_for
 from ringtrain.config import TrainConfig, pp_size_of
 from ringtrain.data import load_digits
 from ringtrain.guard import Watchdog
-from ringtrain.models import BUILTIN
+from ringtrain.models import builtin
 from ringtrain.pipeline.grid import Grid
 from ringtrain.validation import validate
 
@@ -234,20 +234,24 @@ def watched(run, cfg: TrainConfig):
 
 
 def run_strategy(cfg: TrainConfig, world: runtime.World, sets: dict) -> tuple[dict, dict | None]:
-    """What `ringtrain train` runs for cfg, with the stage process sets the grid needs."""
-    spec = BUILTIN[cfg.model](DATA.input_shape, DATA.n_classes)
-    validate(cfg, world.size, len(spec))
-    if cfg.loop == "fit":
-        from ringtrain.dataparallel.keras_fit import fit
+    """What `ringtrain train` runs for cfg's built-in model."""
+    validate(cfg, world.size)
+    return trained(builtin(cfg, DATA.input_shape, DATA.n_classes), DATA, cfg, world, sets)
 
-        return watched(lambda dog: fit(spec, DATA, cfg, world, dog), cfg)
+
+def trained(model, data, cfg: TrainConfig, world: runtime.World, sets: dict):
+    """(metrics, rank 0's weights) of training the compiled `model` as ringtrain.train would,
+    with the stage process sets the grid needs."""
     if cfg.strategy == "hybrid" and cfg.pp_size > 1:
         dp_groups = Grid(world.size, cfg.pp_size).dp_groups()
         world = replace(world, process_sets=[sets[tuple(g)] for g in dp_groups])
+    if cfg.loop == "fit":
+        return watched(lambda dog: _fitted(model, data, cfg)(world, dog), cfg)
+    make = engine_for(model, data, cfg, world.size)
 
     def train(dog: Watchdog) -> tuple[dict, dict | None]:
-        engine, dp_size = make_engine(spec, DATA, cfg, world)
-        return loop.run(engine, DATA, cfg, world, dp_size, dog), engine.gather_weights()
+        engine, dp_size = make(world)
+        return loop.run(engine, data, cfg, world, dp_size, dog), engine.gather_weights()
 
     return watched(train, cfg)
 
@@ -355,7 +359,6 @@ def keras_check(cfg: TrainConfig, world: runtime.World, sets: dict) -> dict:
     import user_models
     from reference import compare_updates, first_examples, keras_fit_updates
 
-    from ringtrain.api import _keras_engine
     from ringtrain.data import Examples, UserData
 
     data_name, n = KERAS_ZOO[cfg.model]
@@ -363,18 +366,7 @@ def keras_check(cfg: TrainConfig, world: runtime.World, sets: dict) -> dict:
     x, y = first_examples(x, n), first_examples(y, n)
     build = getattr(user_models, cfg.model)
     keras.utils.set_random_seed(cfg.seed)
-    model = build()
-    if cfg.strategy == "hybrid":
-        groups = Grid(world.size, cfg.pp_size).dp_groups()
-        world = replace(world, process_sets=[sets[tuple(g)] for g in groups])
-    data = UserData(Examples(x, y))
-    make = _keras_engine(model, data, cfg, world.size)
-
-    def train(dog: Watchdog):
-        engine, dp_size = make(world)
-        return loop.run(engine, data, cfg, world, dp_size, dog), engine.gather_weights()
-
-    metrics, weights = watched(train, cfg)
+    metrics, weights = trained(build(), UserData(Examples(x, y)), cfg, world, sets)
     if world.rank != 0:
         return {}
     pp = pp_size_of(cfg, world.size)

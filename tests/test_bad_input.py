@@ -76,8 +76,8 @@ BAD_TRAIN_FLAGS = [
     (["--synthetic-size", "0"], "--synthetic-size must be at least 1"),
     (["--strategy", "pipeline", "--microbatches", "0"], "--microbatches must be at least 1"),
     (
-        ["--strategy", "pipeline", "--microbatches", "5", "--batch-size", "64"],
-        "not divisible by --microbatches 5",
+        ["--strategy", "pipeline", "--microbatches", "65", "--batch-size", "64"],
+        "global batch 64 is smaller than the 65 shares it is cut into",
     ),
     (["--strategy", "pipeline", "--schedule", "zigzag"], "unknown schedule 'zigzag'"),
     (["--mpi-progress", "sometimes"], "unknown mpi-progress 'sometimes'"),
@@ -89,7 +89,7 @@ BAD_TRAIN_FLAGS = [
     ),
     (
         ["--strategy", "pipeline", "--schedule", "interleaved", "--virtual-stages", "5"],
-        "5 pipeline stages but model 'mlp' has only 4 layers",
+        "model 'mlp' has 4 block(s) between valid cuts, too few for 5 stages",
     ),
     (["--strategy", "pipeline", "--schedule", "/nonexistent.json"], "cannot read the schedule"),
     (["--recompute"], "--recompute is for pipeline stages, not --strategy data"),
@@ -113,7 +113,8 @@ BAD_TRAIN_FLAGS = [
 ]
 
 
-NEEDS_THE_MODEL = {"5 pipeline stages but model 'mlp' has only 4 layers"}  # its Keras elements
+TOO_FEW_BLOCKS = "model 'mlp' has 4 block(s) between valid cuts, too few for 5 stages"
+NEEDS_THE_MODEL = {TOO_FEW_BLOCKS}  # what the model's graph says
 
 
 @pytest.mark.parametrize("args,needle", BAD_TRAIN_FLAGS)
@@ -248,7 +249,7 @@ def test_bad_npz_datasets_are_refused_at_load(datasets, name, needle, before_ten
 
 def test_a_model_that_cannot_take_the_rows_is_a_bad_input(datasets):
     done = ringtrain("train", "--model", "cnn", "--dataset", datasets["good"], "--steps", "1")
-    said_once(done, EXIT_USAGE, "the model does not fit rows of shape (8,)")
+    said_once(done, EXIT_USAGE, "--model cnn does not fit rows of shape (8,)")
 
 
 # ---- under mpirun: said once per job, the same code on every rank ---------------------------
@@ -260,7 +261,7 @@ def test_a_model_that_cannot_take_the_rows_is_a_bad_input(datasets):
     [
         (["--seed", "-1"], "--seed must be a whole number"),
         (["--strategy", "single"], "--strategy single runs on one rank, but 2 were launched"),
-        (["--batch-size", "63"], "global batch 63 is not divisible by 2 data-parallel ranks"),
+        (["--batch-size", "1"], "global batch 1 is smaller than the 2 shares it is cut into"),
         (["--metrics-out", "/nonexistent-dir/m.json"], "folder /nonexistent-dir does not exist"),
         (
             ["--strategy", "pipeline", "--schedule", "interleaved", "--microbatches", "3"],
@@ -375,7 +376,7 @@ def test_a_checkpoint_from_another_model_is_refused(tmp_path, checkpoint, before
 @pytest.mark.mpi
 def test_more_stages_than_layers_is_refused_once():
     done = train_under_mpirun("--strategy", "pipeline", "--steps", "1", ranks=5, timeout=180)
-    said_once(done, EXIT_USAGE, "5 pipeline stages but model 'mlp' has only 4 layers")
+    said_once(done, EXIT_USAGE, TOO_FEW_BLOCKS)
 
 
 @pytest.mark.mpi

@@ -104,11 +104,11 @@ def test_last_stage_allreduce_starts_while_stage_0_still_runs_its_last_backward(
                 "--model",
                 "transformer",
                 "--batch-size",
-                "30",
+                "3",
                 "--microbatches",
                 "4",
             ],
-            "not divisible by --microbatches 4",
+            "global batch 3 is smaller than the 4 shares it is cut into",
         ),
     ],
 )
@@ -117,14 +117,6 @@ def test_hybrid_bad_grids_fail_on_every_rank(ranks, args, needle):
         "train", "--strategy", "hybrid", "--steps", "1", *args, ranks=ranks, timeout=120
     )
     one_line_error(done, needle)
-
-
-@pytest.mark.mpi
-def test_hybrid_more_stages_than_layers_is_refused():
-    done = ringtrain(
-        "train", "--strategy", "hybrid", "--pp-size", "5", "--steps", "1", ranks=5, timeout=120
-    )
-    one_line_error(done, "5 pipeline stages but model 'mlp' has only 4 layers")
 
 
 def test_grid_of_8_ranks_as_2_pipelines_of_4_keeps_pipelines_on_consecutive_ranks():

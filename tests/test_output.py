@@ -21,7 +21,7 @@ NOISE = re.compile(
     r"absl::InitializeLog|oneDNN|cpu_feature_guard|TF_ENABLE_ONEDNN_OPTS"
     r"|[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\]"
 )
-EPOCH_LINE = re.compile(r"epoch (\d+)/(\d+): loss \S+  held-out accuracy \S+ \(")
+EPOCH_LINE = re.compile(r"epoch (\d+)/(\d+): loss \S+  held-out loss \S+  held-out accuracy \S+ \(")
 # ringtrain alone must keep TensorFlow quiet: no help from the caller's environment.
 UNTUNED = {k: v for k, v in ENV.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
 # Digits at a global batch of 256: 5 steps an epoch.

@@ -190,7 +190,7 @@ def test_cli_runs_a_schedule_file_equal_to_1f1b_exactly(tmp_path, cli_reference)
     [
         (2, 4, True, "rank 1 action 0 (1F0): runs before receiving its activation"),
         (3, 4, False, "is for 3 pipeline ranks, but this run has 1"),
-        (1, 3, False, "batch 64 per replica is not divisible by --microbatches 3"),  # file's M
+        (1, 65, False, "global batch 64 is smaller than the 65 shares"),  # the file's M
     ],
 )
 def test_cli_refuses_a_bad_schedule_file_in_one_line(tmp_path, ranks, micro, swap, needle):
@@ -212,12 +212,15 @@ def test_kept_activations_give_a_tapes_gradients():
     tape's gradients, for the input and, summed over two microbatches, for every weight."""
     import numpy as np
 
-    from ringtrain.models import transformer
-    from ringtrain.pipeline.split import ElementPlan
+    from ringtrain.keras_model.graph import split_graph
+    from ringtrain.models import compile_classifier, transformer
+    from ringtrain.pipeline.split import GraphPlan
     from ringtrain.tensorflow_loader import tf
 
-    plan = ElementPlan(transformer((8, 8, 1), 10), seed=0)
+    model = compile_classifier(transformer((8, 8, 1), 10))
+    plan = GraphPlan(model, split_graph(model, np.zeros((4, 8, 8, 1), np.float32)))
     bounds = [(0, 1), (1, 3), (3, 4)]  # a middle stage and a last one
+    share = np.float32(0.5)  # each of two microbatches: half the batch
     for index in (1, 2):
         stage = plan.build(index, bounds, microbatches=2)
         batches = [plan.stand_in(bounds, index, 5) for _ in range(2)]
@@ -225,20 +228,21 @@ def test_kept_activations_give_a_tapes_gradients():
         expected_sums, input_grads = None, []
         for x in batches:
             upstream = (
-                None if stage.last else tf.random.stateless_normal((5, 8, 32), seed=(index, 1))
+                None if stage.last else (tf.random.stateless_normal((5, 8, 32), seed=(index, 1)),)
             )
             with tf.GradientTape() as tape:
                 tape.watch(x)
-                out = stage.output(x, y, None)
-            *grads, to_input = tape.gradient(out, [*stage.variables, x], upstream)
+                out = stage.output(x, y, share)
+            *grads, to_input = tape.gradient(out, [*stage.variables, *x], upstream)
             expected_sums = (
                 grads
                 if expected_sums is None
                 else [a + b for a, b in zip(expected_sums, grads, strict=True)]
             )
-            made, kept = stage.forward_keeping(x, y, None)
-            np.testing.assert_array_equal(made.numpy(), out.numpy())
-            input_grads.append((stage.backward(kept, x, y, None, upstream), to_input))
+            made, kept = stage.forward_keeping(x, y, share)
+            for got, want in zip(tf.nest.flatten(made), tf.nest.flatten(out), strict=True):
+                np.testing.assert_array_equal(got.numpy(), want.numpy())
+            input_grads.append((stage.backward(kept, x, y, share, upstream)[0], to_input))
         for got, want in input_grads:
             np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-6, atol=1e-7)
         for got, want in zip(stage.summed_gradients(), expected_sums, strict=True):

@@ -171,7 +171,6 @@ BEFORE_TENSORFLOW = [
     (["--model", GOOD, "--optimizer", "adam"], "--optimizer does not apply to a compiled model"),
     (["--model", GOOD, "--lr", "0.1"], "--lr does not apply to a compiled model"),
     (["--model", GOOD, "--clip-norm", "1"], "--clip-norm does not apply to a compiled model"),
-    (["--split-at", "conv"], "--split-at names layers of a --model FUNCTION's graph"),
     (["--model", GOOD, "--split-at", "conv"], "--split-at cuts pipeline stages, not --strategy"),
     (["--model-arg", "units=3"], "--model-arg needs --model PATH.py:FUNCTION"),
     (["--model", GOOD, "--strategy", "single", "--bucket-mb", "1"], "--bucket-mb buckets"),

@@ -340,6 +340,13 @@ def bench_config(model: str, batch: int, lr: float, seed: int, **changes):
     return TrainConfig(model=model, batch_size=batch, lr=lr, seed=seed, **settings)
 
 
+def engine_of(model, data, cfg, world):
+    """The engine `ringtrain train` runs cfg's strategy on, for a compiled `model`."""
+    from ringtrain.api import engine_for
+
+    return engine_for(model, data, cfg, world.size)(world)[0]
+
+
 def batch_stream(n_examples: int, count: int, batch: int, seed: int) -> np.ndarray:
     """The first `count` global batches of the shared order, across epochs as needed: every
     contender of a bench trains on the same batches."""

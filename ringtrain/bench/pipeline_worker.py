@@ -19,6 +19,7 @@ from ringtrain import runtime
 from ringtrain.bench.common import (
     batch_stream,
     bench_config,
+    engine_of,
     ranks_cpus_allowed,
     reply,
     serve,
@@ -36,7 +37,7 @@ from ringtrain.bench.pipeline_bench import (
     SHAPE,
 )
 from ringtrain.data import Dataset, load_synthetic
-from ringtrain.models import ModelSpec, transformer
+from ringtrain.models import compile_classifier, transformer
 from ringtrain.pipeline.calibrate import calibration_steps
 from ringtrain.pipeline.trace import STEP, measured_bubble, measured_step_seconds
 
@@ -56,15 +57,17 @@ def base_config(batch: int):
     )
 
 
-def workload() -> tuple[Dataset, ModelSpec]:
+def workload(cfg) -> tuple[Dataset, object]:
+    """The data, and the wider transformer compiled as cfg says."""
     data = load_synthetic(SAMPLES, SHAPE, CLASSES, SEED)
-    return data, transformer(data.input_shape, data.n_classes, dim=DIM, blocks=BLOCKS)
+    model = transformer(data.input_shape, data.n_classes, dim=DIM, blocks=BLOCKS, seed=SEED)
+    return data, compile_classifier(model, cfg.optimizer, cfg.lr)
 
 
-def held_bytes(spec: ModelSpec, bounds: list[tuple[int, int]], mb_size: int, recompute: bool):
-    """Bytes the executor keeps per microbatch in flight, per stage: its input and, with a
-    saved tape, each element's output (a layer's own intermediates are not counted)."""
-    shapes = spec.shapes()
+def held_bytes(model, bounds: list[tuple[int, int]], mb_size: int, recompute: bool):
+    """Bytes the executor keeps per microbatch in flight, per stage: its input and, with
+    activations kept, each layer's output (a layer's own intermediates are not counted)."""
+    shapes = [model.inputs[0].shape[1:], *(layer.output.shape[1:] for layer in model.layers)]
     per_sample = [4 * int(np.prod(s)) for s in shapes]
     return [
         mb_size * (per_sample[first] + (0 if recompute else sum(per_sample[first + 1 : last + 1])))
@@ -75,18 +78,17 @@ def held_bytes(spec: ModelSpec, bounds: list[tuple[int, int]], mb_size: int, rec
 class Contender:
     """One pipeline schedule's engine; each timing predicts its steps from a few of them."""
 
-    def __init__(self, name: str, data: Dataset, spec: ModelSpec, world: runtime.World, batch: int):
-        from ringtrain.pipeline.engine import PipelineEngine
-
+    def __init__(self, name: str, world: runtime.World, batch: int):
         kind, micro, virtual = PIPELINES[name]
         base = base_config(batch)
         cfg = replace(base, schedule=kind, microbatches=micro, virtual_stages=virtual)
-        self.engine, self.world, self.cfg = PipelineEngine(spec, data, cfg, world), world, cfg
+        data, model = workload(cfg)
+        self.engine, self.world, self.cfg = engine_of(model, data, cfg, world), world, cfg
         self.engine.calibrate_link()
         for indices in batch_stream(len(data.x), WARM_UP_STEPS, batch, SEED):
             self.engine.step(indices)  # the first traces the graphs
         e = self.engine
-        per_mb = held_bytes(spec, e.bounds, e.mb_size, cfg.recompute)
+        per_mb = held_bytes(model, e.bounds, e.mb_size, cfg.recompute)
         peaks = e.predicted.peak_inflight
         self.report = {
             "schedule": kind,
@@ -128,8 +130,7 @@ class Contender:
 
 def ranks(batch: int, names: list[str]) -> None:
     world = runtime.start(with_horovod=False)
-    data, spec = workload()
-    contenders = {name: Contender(name, data, spec, world, batch) for name in names}
+    contenders = {name: Contender(name, world, batch) for name in names}
     cpus = ranks_cpus_allowed(world.comm)
     if world.rank == 0:
         reply({"ready": True, "cpus_allowed_list": cpus, "environment": settings_in_force()})
@@ -138,15 +139,13 @@ def ranks(batch: int, names: list[str]) -> None:
 
 def single(batch: int, names: list[str]) -> None:
     """One process serving each single contender in `names`, its batch whole or in slices."""
-    from ringtrain.dataparallel.engine import DataParallelEngine
-
     world = runtime.start(with_horovod=False)
-    data, spec = workload()
     base = replace(base_config(batch), strategy="single")
-    engines = {
-        name: DataParallelEngine(spec, data, replace(base, accumulate=ACCUMULATE[name]), world)
-        for name in names
-    }
+    engines = {}
+    for name in names:
+        cfg = replace(base, accumulate=ACCUMULATE[name])
+        data, model = workload(cfg)
+        engines[name] = engine_of(model, data, cfg, world)
     for engine in engines.values():
         engine.step(batch_stream(len(data.x), 1, batch, SEED)[0])  # trace outside the timing
 

@@ -28,8 +28,9 @@ from ringtrain.launch.mpirun import host_flags, mpi_env, mpirun_command
 from ringtrain.plan.costmodel import roofline
 
 if TYPE_CHECKING:
+    import keras
+
     from ringtrain.data import Dataset
-    from ringtrain.models import ModelSpec
 
 BUCKET_MB = 1.0  # PyTorch DDP's first bucket is 1 MB too: small enough to start early
 CONTENDERS = [
@@ -72,39 +73,36 @@ class Workload:
     shape: tuple[int, ...]
     batch: int  # global
     samples: int
-    build: Callable[[tuple[int, ...], int], ModelSpec]
+    build: Callable[[tuple[int, ...], int], keras.Model]
 
-    def spec(self, data: Dataset) -> ModelSpec:
+    def model(self, data: Dataset) -> keras.Model:
+        """A new copy of the workload's model, from the same weights every time."""
         return self.build(data.input_shape, data.n_classes)
 
 
-def _cnn(shape: tuple[int, ...], classes: int) -> ModelSpec:
+def _cnn(shape: tuple[int, ...], classes: int) -> keras.Model:
     from ringtrain.models import cnn
 
     return cnn(shape, classes)
 
 
-def _heavy_cnn(shape: tuple[int, ...], classes: int) -> ModelSpec:
+def _heavy_cnn(shape: tuple[int, ...], classes: int) -> keras.Model:
     """Wide convolutions at full resolution: much compute for few gradient bytes."""
     import keras
 
-    from ringtrain.models import FlatDense, ModelSpec, _named
+    from ringtrain.models import FlatDense, layer_names, sequential
 
-    conv = keras.layers.Conv2D
-    return ModelSpec(
-        shape,
-        _named(
-            [
-                lambda n: conv(48, 3, padding="same", activation="relu", name=n),
-                lambda n: conv(48, 3, padding="same", activation="relu", name=n),
-                lambda n: conv(32, 3, strides=4, padding="same", activation="relu", name=n),
-                lambda n: FlatDense(classes, name=n),
-            ]
-        ),
-    )
+    conv, name = keras.layers.Conv2D, layer_names()
+    layers = [
+        conv(48, 3, padding="same", activation="relu", name=next(name)),
+        conv(48, 3, padding="same", activation="relu", name=next(name)),
+        conv(32, 3, strides=4, padding="same", activation="relu", name=next(name)),
+        FlatDense(classes, name=next(name)),
+    ]
+    return sequential("heavy_cnn", shape, layers, seed=0)
 
 
-def _wide_mlp(shape: tuple[int, ...], classes: int) -> ModelSpec:
+def _wide_mlp(shape: tuple[int, ...], classes: int) -> keras.Model:
     """Four 1024-wide dense layers on small inputs: gradient bytes spread evenly over the
     layers, so the backward releases them steadily, and about as long to move across a
     1 Gbit/s link (14 MB) as a rank's compute on its 1024 examples takes."""

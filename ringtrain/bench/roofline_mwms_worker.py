@@ -51,7 +51,7 @@ def measure(
     data = load_synthetic(workload.samples, workload.shape, 10, SEED)
     run = numpy_fed(
         strategy,
-        replica_step(strategy, workload.spec(data), workload.batch),
+        replica_step(strategy, lambda: workload.model(data), workload.batch),
         data,
         workload.batch,
     )

@@ -36,6 +36,7 @@ from ringtrain.bench.common import (
     Turns,
     batch_stream,
     cpus_allowed,
+    engine_of,
     horovod_running,
     idle_barrier,
     settings_in_force,
@@ -64,22 +65,28 @@ def ringtrain_loop(engine, data: Dataset, cfg: TrainConfig, world) -> tuple[floa
     return sum(v for k, v in phases.items() if k != "checkpoints_and_evaluation"), phases
 
 
+def ringtrain_engine(workload: Workload, data: Dataset, cfg: TrainConfig, world):
+    """ringtrain's engine for cfg, as `ringtrain train` runs it, on a model of its own."""
+    from ringtrain.models import compile_classifier
+
+    return engine_of(compile_classifier(workload.model(data), "sgd", LR), data, cfg, world)
+
+
 def plain_horovod(workload: Workload, data: Dataset, hvd, world):
     """The step a Horovod user writes by hand: tape, one grouped_allreduce, apply."""
+    import keras
     import tensorflow as tf
 
-    from ringtrain.models import forward, loss_fn, trainable_variables
-    from ringtrain.optim import make_optimizer
-
-    elements = workload.spec(data).build(range(len(workload.spec(data))), SEED)
-    variables = trainable_variables(elements)
-    optimizer = make_optimizer(TrainConfig(optimizer="sgd", lr=LR))
+    model = workload.model(data)
+    variables = model.trainable_variables
+    optimizer = keras.optimizers.SGD(learning_rate=LR)
     optimizer.build(variables)
+    cross_entropy = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     @tf.function
     def step(x, y):
         with tf.GradientTape() as tape:
-            loss = loss_fn(y, forward(elements, x))
+            loss = cross_entropy(y, model(x, training=True))
         grads = tape.gradient(loss, variables)
         *grads, loss = hvd.grouped_allreduce([*grads, loss], op=hvd.Average)
         optimizer.apply_gradients(zip(grads, variables, strict=True))
@@ -175,12 +182,9 @@ def timeline_ms(path: str, steps: int) -> dict[str, float]:
 def measure(workload: Workload, rounds: int, steps: int, out: str, turns: Turns) -> None:
     from mpi4py import MPI
 
-    from ringtrain.dataparallel.engine import DataParallelEngine
-
     users_cycle = os.environ.get("HOROVOD_CYCLE_TIME")  # before ringtrain's default fills it
     world = runtime.start(with_horovod=False, horovod_later=True)
     data = load_synthetic(workload.samples, workload.shape, 10, SEED)
-    spec = workload.spec(data)
     cfg = TrainConfig(
         strategy="data",
         model=workload.name,
@@ -197,9 +201,9 @@ def measure(workload: Workload, rounds: int, steps: int, out: str, turns: Turns)
     with horovod_running(world.comm) as hvd:
         ranks = replace(world, hvd=hvd)
         engines = {
-            "ringtrain": DataParallelEngine(spec, data, cfg, ranks),
-            "ringtrain bucketed": DataParallelEngine(
-                spec, data, replace(cfg, bucket_mb=BUCKET_MB), ranks
+            "ringtrain": ringtrain_engine(workload, data, cfg, ranks),
+            "ringtrain bucketed": ringtrain_engine(
+                workload, data, replace(cfg, bucket_mb=BUCKET_MB), ranks
             ),
         }
         plain = plain_horovod(workload, data, hvd, world)
@@ -209,9 +213,9 @@ def measure(workload: Workload, rounds: int, steps: int, out: str, turns: Turns)
         plain(stream[0])
     alone = runtime.World(0, 1, 0, 1, MPI.COMM_SELF, None)  # a world of its own: rank 0 of 1
     half = replace(cfg, strategy="single", batch_size=workload.batch // world.size)
-    local = DataParallelEngine(spec, data, half, alone)  # one rank's compute, no allreduce
-    single = DataParallelEngine(spec, data, replace(cfg, strategy="single"), alone)
-    grad_bytes = sum(variable_bytes(local.variables))
+    local = ringtrain_engine(workload, data, half, alone)  # one rank's compute, no allreduce
+    single = ringtrain_engine(workload, data, replace(cfg, strategy="single"), alone)
+    grad_bytes = sum(variable_bytes(local.trainable))
 
     rows = []
     for r in range(rounds):

@@ -27,6 +27,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from pathlib import Path
@@ -46,8 +47,9 @@ from ringtrain.bounded import RunFailed, end_session
 from ringtrain.launch.mpirun import QUIET, mpi_env, mpirun_command
 
 if TYPE_CHECKING:
+    import keras
+
     from ringtrain.data import Dataset
-    from ringtrain.models import ModelSpec
 
 BATCH, LR, SEED = 64, 0.01, 0
 SAMPLES, SHAPE, CLASSES = 1024, (32, 32, 3), 10
@@ -110,13 +112,14 @@ NOTES = {  # what each contender's step is, where it is not obvious
 RINGTRAIN_GROUPS = ("ringtrain", "all cores")  # must work; a TF group may fail, with a reason
 
 
-def workload() -> tuple[Dataset, ModelSpec]:
-    """The data and model every contender trains (imports TensorFlow: call it in workers)."""
+def workload() -> tuple[Dataset, Callable[[], keras.Model]]:
+    """The data, and what builds the model every contender trains, from the same weights
+    (imports TensorFlow: call it in workers)."""
     from ringtrain.data import load_synthetic
     from ringtrain.models import cnn
 
     data = load_synthetic(SAMPLES, SHAPE, CLASSES, seed=SEED)
-    return data, cnn(data.input_shape, data.n_classes)
+    return data, lambda: cnn(data.input_shape, data.n_classes, seed=SEED)
 
 
 # ---- the processes the parent drives ------------------------------------------------------

@@ -27,6 +27,7 @@ from ringtrain import runtime
 from ringtrain.bench.common import (
     batch_stream,
     bench_config,
+    engine_of,
     horovod_running,
     ranks_cpus_allowed,
     reply,
@@ -47,7 +48,7 @@ from ringtrain.bench.strategies import (
 from ringtrain.config import TrainConfig
 from ringtrain.data import Dataset, shard
 from ringtrain.loop import Engine
-from ringtrain.models import ModelSpec
+from ringtrain.models import compile_classifier
 
 Runner = Callable[[int], float]  # steps -> seconds they took
 
@@ -66,16 +67,14 @@ def engine_runner(engine: Engine, data: Dataset) -> Runner:
     return run
 
 
-def fit_runner(spec: ModelSpec, data: Dataset, cfg: TrainConfig, world: runtime.World) -> Runner:
+def fit_runner(model, data: Dataset, world: runtime.World) -> Runner:
     """model.fit with ringtrain's Keras 3 pieces: the allreducing optimizer and the broadcast."""
     import keras
 
     from ringtrain.dataparallel.keras_fit import BroadcastInitialState, distributed_optimizer
-    from ringtrain.optim import make_optimizer
 
-    model = keras.Sequential([keras.Input(data.input_shape), *spec.build(range(len(spec)), SEED)])
     model.compile(
-        optimizer=distributed_optimizer(make_optimizer(cfg), world.hvd),
+        optimizer=distributed_optimizer(model.optimizer, world.hvd),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
     broadcast = BroadcastInitialState(world.hvd)
@@ -105,13 +104,15 @@ def _runners(kind: str, world: runtime.World) -> dict[str, tuple[Runner | None, 
     """name -> (runner, or None where this rank sits out; whether Horovod must run)."""
     from mpi4py import MPI
 
-    from ringtrain.dataparallel.engine import DataParallelEngine
-    from ringtrain.pipeline.engine import PipelineEngine
-
-    data, spec = workload()
+    data, build = workload()
     cfg = bench_config("cnn", BATCH, LR, SEED)
+
+    def engine(cfg: TrainConfig, world: runtime.World):
+        """ringtrain's engine for cfg, on a model of its own (`ringtrain train`'s)."""
+        return engine_of(compile_classifier(build(), "sgd", LR), data, cfg, world)
+
     if kind == "all-cores":
-        everything = engine_runner(DataParallelEngine(spec, data, cfg, world), data)
+        everything = engine_runner(engine(cfg, world), data)
         return {ALL_CORES: (everything, False)}
     # Horovod broadcasts by variable name and Keras numbers names per process, so every rank
     # builds the broadcasting contenders first, in the same order, and rank 0's own single
@@ -119,16 +120,16 @@ def _runners(kind: str, world: runtime.World) -> dict[str, tuple[Runner | None, 
     with horovod_running(world.comm) as hvd:
         ranks = replace(world, hvd=hvd)
         data_cfg = replace(cfg, strategy="data")
-        custom = engine_runner(DataParallelEngine(spec, data, data_cfg, ranks), data)
-        fit = fit_runner(spec, data, data_cfg, ranks)
+        custom = engine_runner(engine(data_cfg, ranks), data)
+        fit = fit_runner(compile_classifier(build(), "sgd", LR), data, ranks)
         custom(1)  # trace while Horovod is up
         fit(1)
     single = None
     if world.rank == 0:
         alone = runtime.World(0, 1, 0, 1, MPI.COMM_SELF, None)
-        single = engine_runner(DataParallelEngine(spec, data, cfg, alone), data)
+        single = engine_runner(engine(cfg, alone), data)
     pipeline_cfg = replace(cfg, strategy="pipeline", schedule="1f1b", microbatches=8)
-    pipeline = engine_runner(PipelineEngine(spec, data, pipeline_cfg, world), data)
+    pipeline = engine_runner(engine(pipeline_cfg, world), data)
     return {
         SINGLE: (single, False),
         DP: (custom, True),

@@ -38,7 +38,6 @@ from ringtrain.bench.common import (
 )
 from ringtrain.bench.strategies import BATCH, LR, SEED, workload
 from ringtrain.data import Dataset, shard
-from ringtrain.models import ModelSpec
 
 Runner = Callable[[int], float]  # steps -> seconds they took
 
@@ -88,11 +87,11 @@ def make_strategy(role: str, implementation: str) -> tf.distribute.Strategy:
     return tf.distribute.ParameterServerStrategy(resolver)
 
 
-def replica_step(strategy: tf.distribute.Strategy, spec: ModelSpec, batch: int):
-    """The per-replica SGD step of `spec`'s network, built in the strategy's scope as its
-    guide does, with the loss averaged over the global `batch`."""
+def replica_step(strategy: tf.distribute.Strategy, build: Callable[[], keras.Model], batch: int):
+    """The per-replica SGD step of the network `build` makes, built in the strategy's scope
+    as its guide does, with the loss averaged over the global `batch`."""
     with strategy.scope():
-        model = keras.Sequential([keras.Input(spec.input_shape), *[f() for f in spec.factories]])
+        model = build()
         optimizer = keras.optimizers.SGD(learning_rate=LR)
 
     def step_fn(x, y):
@@ -109,8 +108,8 @@ def replica_step(strategy: tf.distribute.Strategy, spec: ModelSpec, batch: int):
 
 def make_runner(role: str, strategy: tf.distribute.Strategy) -> Runner:
     """steps -> seconds, after one untimed step (which also lines the workers up)."""
-    data, spec = workload()
-    step_fn = replica_step(strategy, spec, BATCH)
+    data, build = workload()
+    step_fn = replica_step(strategy, build, BATCH)
     if role == "mwms-tuned":
         return numpy_fed(strategy, step_fn, data, BATCH)
 

@@ -55,12 +55,13 @@ SHARES = {RESNET_DATA: 2, RESNET_PIPELINE: MICROBATCHES}
 WEIGHTS = "weights: "  # the worker's name for S steps from the initial weights, then compared
 TARGETS = {"your_keras_model_at_least_0.95_of_builtin": (f"{CNN_KERAS} / {CNN_BUILTIN}", 0.95)}
 NOTES = {
-    CNN_BUILTIN: "ringtrain.models.cnn in DataParallelEngine, as `ringtrain train` runs it",
+    CNN_BUILTIN: "ringtrain.models.cnn (a keras.Sequential) compiled with --optimizer sgd, in "
+    "DataParallelEngine, as `ringtrain train --model cnn` runs it",
     CNN_KERAS: "the same layers as a functional keras.Model compiled with SGD(0.01) and "
-    "SparseCategoricalCrossentropy(from_logits=True), in KerasDataParallelEngine, as "
+    "SparseCategoricalCrossentropy(from_logits=True), in DataParallelEngine, as "
     "ringtrain.fit runs it",
-    RESNET_SINGLE: "KerasDataParallelEngine in rank 0 alone (COMM_SELF), no Horovod",
-    RESNET_DATA: "KerasDataParallelEngine on 2 ranks, a Horovod allreduce per step",
+    RESNET_SINGLE: "DataParallelEngine in rank 0 alone (COMM_SELF), no Horovod",
+    RESNET_DATA: "DataParallelEngine on 2 ranks, a Horovod allreduce per step",
     RESNET_PIPELINE: f"PipelineEngine on the model's graph, schedule interleaved, "
     f"{VIRTUAL_STAGES} stages per rank, {MICROBATCHES} microbatches, time partition",
 }

@@ -96,12 +96,9 @@ def _contenders(world: runtime.World, data: Dataset) -> dict[str, Contender]:
     from mpi4py import MPI
 
     from ringtrain.dataparallel.engine import DataParallelEngine
-    from ringtrain.dataparallel.keras_engine import KerasDataParallelEngine
-    from ringtrain.keras_model.graph import split_graph
-    from ringtrain.pipeline.engine import PipelineEngine
-    from ringtrain.pipeline.split import GraphPlan
+    from ringtrain.models import compile_classifier
 
-    _, spec = workload()
+    _, build = workload()
     users = UserData(Examples(data.x, data.y))
     cfg = common.bench_config("cnn", BATCH, LR, SEED)
     data_cfg = replace(cfg, strategy="data")
@@ -118,12 +115,13 @@ def _contenders(world: runtime.World, data: Dataset) -> dict[str, Contender]:
     found = {}
     with common.horovod_running(world.comm) as hvd:
         ranks = replace(world, hvd=hvd)
-        found[CNN_BUILTIN] = Contender(DataParallelEngine(spec, data, data_cfg, ranks), True)
+        builtin = compile_classifier(build(), "sgd", LR)
+        found[CNN_BUILTIN] = Contender(common.engine_of(builtin, data, data_cfg, ranks), True)
         cnn = new_cnn()
-        engine = KerasDataParallelEngine(cnn, users, data_cfg, ranks)  # rank 0's weights
+        engine = DataParallelEngine(cnn, users, data_cfg, ranks)  # rank 0's weights
         found[CNN_KERAS] = Contender(engine, True, cnn, cnn.get_weights(), new_cnn)
         found[RESNET_DATA] = resnet(
-            lambda m: KerasDataParallelEngine(m, users, data_cfg, ranks), horovod=True
+            lambda m: DataParallelEngine(m, users, data_cfg, ranks), horovod=True
         )
         for c in found.values():
             engine_runner(c.engine, data)(1)  # trace while Horovod is up
@@ -134,12 +132,10 @@ def _contenders(world: runtime.World, data: Dataset) -> dict[str, Contender]:
         virtual_stages=VIRTUAL_STAGES,
         microbatches=MICROBATCHES,
     )
-    found[RESNET_PIPELINE] = resnet(
-        lambda m: PipelineEngine(GraphPlan(m, split_graph(m, data.x)), users, pipeline_cfg, world)
-    )
+    found[RESNET_PIPELINE] = resnet(lambda m: common.engine_of(m, users, pipeline_cfg, world))
     if world.rank == 0:
         alone = runtime.World(0, 1, 0, 1, MPI.COMM_SELF, None)
-        found[RESNET_SINGLE] = resnet(lambda m: KerasDataParallelEngine(m, users, cfg, alone))
+        found[RESNET_SINGLE] = resnet(lambda m: DataParallelEngine(m, users, cfg, alone))
     return found
 
 

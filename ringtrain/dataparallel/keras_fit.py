@@ -18,18 +18,17 @@ import numpy as np
 
 from ringtrain import log
 from ringtrain.config import TrainConfig
-from ringtrain.data import READS, Dataset, shard, step_plan
+from ringtrain.data import READS, shard, step_plan
 from ringtrain.dataparallel.collectives import average_gradients, broadcast_state
-from ringtrain.dataparallel.keras_engine import broadcast_in_order
+from ringtrain.dataparallel.engine import broadcast_in_order
 from ringtrain.errors import UserError
-from ringtrain.evaluate import AccuracyScorer, score_shards
+from ringtrain.evaluate import score_shards
 from ringtrain.guard import Watchdog, non_finite
 from ringtrain.keras_model.compiled import predictor, reduction_kind
 from ringtrain.loop import input_wait
-from ringtrain.models import ModelSpec
-from ringtrain.optim import LearningRate, learning_rate, make_optimizer
+from ringtrain.optim import LearningRate, learning_rate
 from ringtrain.runtime import World
-from ringtrain.weights import by_path, named_weights, replica_checksums, save_npz
+from ringtrain.weights import by_path, replica_checksums, save_npz
 
 
 def _averaging(base: type, hvd, fp16: bool) -> type:
@@ -163,19 +162,6 @@ class ShowProgress(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.progress.update(float(logs["loss"]))
-
-
-def fit(spec: ModelSpec, data: Dataset, cfg: TrainConfig, world: World, watchdog: Watchdog):
-    """A built-in model as a Keras model, trained by `fit_model`."""
-    elements = spec.build(range(len(spec)), cfg.seed)
-    model = keras.Sequential([keras.Input(data.input_shape), *elements])
-    model.compile(
-        optimizer=make_optimizer(cfg),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
-    metrics = fit_model(model, data, cfg, world, watchdog, AccuracyScorer(), cfg.lr)
-    return metrics, named_weights(elements) if world.rank == 0 else None
 
 
 def check_fit_loop(model, n_examples: int, cfg: TrainConfig, world_size: int) -> None:

@@ -28,11 +28,10 @@ from ringtrain import log
 from ringtrain.checkpoint import Checkpointable
 from ringtrain.comm import Link, PostedReceive
 from ringtrain.config import TrainConfig, pp_size_of
-from ringtrain.data import shard, take, uneven_shard
+from ringtrain.data import take, uneven_shard
 from ringtrain.dataparallel.collectives import average_gradients
 from ringtrain.evaluate import CHUNK
 from ringtrain.gradients import scaled_gradient
-from ringtrain.models import ModelSpec
 from ringtrain.optim import LearningRate
 from ringtrain.pipeline import report
 from ringtrain.pipeline.calibrate import (
@@ -50,7 +49,6 @@ from ringtrain.pipeline.profile import (
 )
 from ringtrain.pipeline.schedule import pipeline_schedule
 from ringtrain.pipeline.simulate import SimResult, simulate
-from ringtrain.pipeline.split import ElementPlan
 from ringtrain.pipeline.tags import message_tag
 from ringtrain.pipeline.trace import ALL, Trace
 from ringtrain.progress import progress_ticker
@@ -131,11 +129,10 @@ def _what(t: Tensor) -> str:
 class PipelineEngine(Checkpointable):
     """The stages one rank holds in one pipeline replica."""
 
-    def __init__(self, model, data, cfg: TrainConfig, world: World):
-        """`model`: a built-in ModelSpec, or a GraphPlan of a user's compiled model; `data`:
-        a Dataset, or the user's UserData."""
+    def __init__(self, plan, data, cfg: TrainConfig, world: World):
+        """`plan`: the GraphPlan of a compiled model; `data`: a Dataset, or a UserData."""
         self.data, self.cfg, self.world = data, cfg, world
-        self.plan = ElementPlan(model, cfg.seed) if isinstance(model, ModelSpec) else model
+        self.plan = plan
         self.train = data.train  # the examples every global batch indexes
         self.grid = Grid(world.size, pp_size_of(cfg, world.size))
         self.pp_size, self.dp_size = self.grid.pp_size, self.grid.dp_size
@@ -267,10 +264,9 @@ class PipelineEngine(Checkpointable):
         self._lr.set(lr)
 
     def step(self, global_indices: np.ndarray) -> float:
-        cut = shard if self.plan.even_microbatches else uneven_shard
-        mine = cut(global_indices, self.dp_rank, self.dp_size)
+        mine = uneven_shard(global_indices, self.dp_rank, self.dp_size)
         micro = self.cfg.microbatches
-        self.microbatches = [cut(mine, m, micro) for m in range(micro)]
+        self.microbatches = [uneven_shard(mine, m, micro) for m in range(micro)]
         self.shares = [
             self.plan.loss_share(len(idx), len(global_indices), self.dp_size)
             for idx in self.microbatches

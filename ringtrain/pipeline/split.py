@@ -1,9 +1,8 @@
-"""What a pipeline's stages are cut from: ringtrain's built-in element lists, or a user's graph.
+"""What a pipeline's stages are cut from: a compiled Keras model's graph (a built-in's too).
 
-The executor asks a plan the same questions either way: how many units the model has (the
-pieces a partition groups into stages: elements, or blocks of a graph between valid cuts),
-what each unit costs, how to build stage s from units [a, b), and how the values crossing
-each boundary travel (`codec`).
+The executor asks the plan how many units the model has (the blocks of its graph between
+valid cuts, which a partition groups into stages), what each unit costs, how to build stage s
+from units [a, b), and how the values crossing each boundary travel (`codec`).
 """
 
 from __future__ import annotations
@@ -11,82 +10,17 @@ from __future__ import annotations
 import numpy as np
 
 from ringtrain.config import TrainConfig
-from ringtrain.evaluate import AccuracyScorer
 from ringtrain.keras_model import compiled
-from ringtrain.models import ModelSpec
-from ringtrain.optim import make_optimizer
 from ringtrain.pipeline.ir import Op, Tensor
 from ringtrain.pipeline.profile import time_unit, untouched
-from ringtrain.pipeline.stage import FloatCodec, KerasStage, Stage, is_float
+from ringtrain.pipeline.stage import Stage, is_float
 from ringtrain.tensorflow_loader import tf
 
 
-class ElementPlan:
-    """A built-in model: elements of one float tensor in and out, equal microbatches."""
-
-    even_microbatches = True
-
-    def __init__(self, spec: ModelSpec, seed: int):
-        self.spec, self.seed, self.shapes = spec, seed, spec.shapes()
-
-    @property
-    def n_units(self) -> int:
-        return len(self.spec)
-
-    def unit_params(self) -> list[float]:
-        """Each element's parameter count; elements are built one at a time and dropped."""
-        counts = []
-        for i in range(len(self.spec)):
-            element = self.spec.build([i], self.seed)[0]
-            counts.append(float(sum(int(np.prod(v.shape)) for v in element.trainable_weights)))
-        return counts
-
-    def boundary_words(self) -> list[float]:
-        """Per example, 4-byte words entering each element, then leaving the last."""
-        return [float(np.prod(shape)) for shape in self.shapes]
-
-    def unit_seconds(self, samples: int) -> list[dict[Op, float]]:
-        """Each element's F, B, BI and BW on `samples` examples, built alone and dropped."""
-        bounds = [(i, i + 1) for i in range(len(self.spec))]
-        return [
-            time_unit(self.build(i, bounds, 1), self.stand_in(bounds, i, samples))
-            for i in range(len(bounds))
-        ]
-
-    def stand_in(self, bounds: list[tuple[int, int]], s: int, samples: int):
-        """An input of stage s's shape, for timing it alone."""
-        return tf.random.normal((samples, *self.shapes[bounds[s][0]]))
-
-    def build(self, s: int, bounds: list[tuple[int, int]], microbatches: int) -> Stage:
-        elements = self.spec.build(range(*bounds[s]), self.seed)
-        return Stage(s, len(bounds), elements, microbatches)
-
-    def codec(self, t: Tensor, bounds: list[tuple[int, int]]) -> FloatCodec:
-        """Stage t.stage's output (ACT) or the gradient for its input (GRAD)."""
-        first, last = bounds[t.stage]
-        return FloatCodec(self.shapes[last if t.kind == "ACT" else first])
-
-    def optimizer(self, cfg: TrainConfig):
-        """(--optimizer at --lr, the global-norm clip --clip-norm sets across the stages)."""
-        return make_optimizer(cfg), cfg.clip_norm
-
-    def base_learning_rate(self, _optimizer, cfg: TrainConfig) -> float:
-        return cfg.lr
-
-    def loss_share(self, _local: int, _total: int, _replicas: int) -> None:
-        """Equal microbatches: each carries 1/M of its replica's mean loss (Stage says so)."""
-        return None
-
-    def scorer(self) -> AccuracyScorer:
-        return AccuracyScorer()
-
-
 class GraphPlan:
-    """A user's compiled functional model, cut between the blocks of its flattened graph.
+    """A compiled Sequential or functional model, cut between the blocks of its flattened graph.
     Every rank builds the whole model here; a stage is a keras.Model over its cut tensors,
     sharing the user's layers (and so their weights and names)."""
-
-    even_microbatches = False  # a partial batch makes uneven microbatches, as in Keras's fit
 
     def __init__(self, model, split):
         self.model, self.split = model, split
@@ -141,12 +75,12 @@ class GraphPlan:
             self._pieces[key] = self.split.stage_models(bounds)
         return self._pieces[key]
 
-    def build(self, s: int, bounds: list[tuple[int, int]], microbatches: int) -> KerasStage:
-        return KerasStage(s, len(bounds), self.pieces(bounds)[s], self.model, microbatches)
+    def build(self, s: int, bounds: list[tuple[int, int]], microbatches: int) -> Stage:
+        return Stage(s, len(bounds), self.pieces(bounds)[s], self.model, microbatches)
 
     def codec(self, t: Tensor, bounds: list[tuple[int, int]]):
         piece = self.pieces(bounds)[t.stage]
-        sends, gradients = KerasStage.codecs_of(piece)
+        sends, gradients = Stage.codecs_of(piece)
         return sends if t.kind == "ACT" else gradients
 
     def optimizer(self, _cfg: TrainConfig):

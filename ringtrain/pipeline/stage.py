@@ -1,13 +1,10 @@
-"""A pipeline stage and what crosses its boundaries, for both kinds of model the executor runs.
+"""A pipeline stage and what crosses its boundaries.
 
-`Stage` holds a contiguous run of ringtrain's built-in elements: one float tensor in, one out.
-`KerasStage` holds a piece of a user's functional graph (a keras.Model over the tensors that
-cross its cuts): several tensors may cross together, of any dtype (hidden states and an
-integer padding mask), and only the float ones carry gradients back. The executor treats both
-alike through the same methods, and moves their values with a codec: `FloatCodec` sends the
-one float32 tensor as it is, `PackedCodec` packs several tensors' bytes into one buffer
-(contiguous numpy, never pickled), sized for the largest microbatch, as a partial batch makes
-smaller ones.
+A `Stage` holds a piece of a compiled Keras model's graph: a keras.Model over the tensors
+that cross its cuts. Several tensors may cross together, of any dtype (hidden states and an
+integer padding mask), and only the float ones carry gradients back. `PackedCodec` moves them:
+their bytes packed into one buffer (contiguous numpy, never pickled), sized for the largest
+microbatch, as a partial batch makes smaller ones.
 """
 
 from __future__ import annotations
@@ -17,28 +14,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from ringtrain.gradients import add_gradients
-from ringtrain.models import forward, loss_fn, trainable_variables
 from ringtrain.pipeline.calls import CompiledCall, KeptPair
 from ringtrain.tensorflow_loader import tf
-
-
-class FloatCodec:
-    """One float32 tensor of a fixed shape per example: a built-in boundary."""
-
-    def __init__(self, shape: Sequence[int]):
-        self.shape = tuple(shape)
-
-    def nbytes(self, batch: int) -> int:
-        return 4 * batch * int(np.prod(self.shape))
-
-    def empty(self, batch: int) -> np.ndarray:
-        return np.zeros((batch, *self.shape), np.float32)
-
-    def encode(self, value) -> np.ndarray:
-        return np.ascontiguousarray(value.numpy())
-
-    def decode(self, buf: np.ndarray, batch: int):
-        return tf.constant(np.copy(buf[:batch]))
 
 
 class PackedCodec:
@@ -56,6 +33,8 @@ class PackedCodec:
 
     def encode(self, values) -> np.ndarray:
         parts = [np.ascontiguousarray(v.numpy()).reshape(-1).view(np.uint8) for v in values]
+        if len(parts) == 1:  # most cuts: one tensor, sent from its own bytes without a copy
+            return parts[0]
         return np.concatenate(parts) if parts else np.zeros(0, np.uint8)
 
     def decode(self, buf: np.ndarray, batch: int) -> tuple:
@@ -69,7 +48,10 @@ class PackedCodec:
 
 
 class Stage:
-    """One of a built-in model's stages held by this rank: its elements, compiled functions.
+    """One of the stages this rank holds: `piece`, a keras.Model from the tensors crossing
+    into it to the tensors crossing out (on the last stage, the model's outputs, whose loss is
+    the compiled loss, weighted by the microbatch's share of the global batch), and its
+    compiled functions. It shares the model's layers, so their weights and names.
 
     A microbatch's backward adds its weight gradients into the stage's sums (variables, in
     the backward's own graph), which the optimizer's compiled step reads at REDUCE. The
@@ -77,75 +59,36 @@ class Stage:
     and the backward then redoes it (`recomputes`, --recompute: less memory, a forward more).
     """
 
-    reduce_retracing = False  # a user's model may see a partial batch's smaller microbatch
-
-    def __init__(
-        self,
-        index: int,
-        n_stages: int,
-        elements: list,
-        microbatches: int,
-        variables: list | None = None,
-        weights: list | None = None,
-    ):
+    def __init__(self, index: int, n_stages: int, piece, model, microbatches: int):
         self.index, self.first, self.last = index, index == 0, index == n_stages - 1
-        self.elements, self.microbatches = elements, microbatches
-        self.variables = trainable_variables(elements) if variables is None else variables
-        # what a checkpoint and the gathered weights hold
-        self.weights = self.variables if weights is None else weights
+        self.piece, self.model, self.microbatches = piece, model, microbatches
+        self.float_inputs = [i for i, t in enumerate(piece.inputs) if is_float(t.dtype)]
+        self.float_outputs = [i for i, t in enumerate(piece.outputs) if is_float(t.dtype)]
+        self.variables = list(piece.trainable_variables)
+        self.weights = list(piece.weights)  # what a checkpoint and the gathered weights hold
         self.grads: list | None = None  # the step's reduced gradients, for STEP
-        self.stateful = False  # built-in elements keep no state a forward changes
+        self.stateful = changes_state(piece)
         self.recomputes = False  # the executor's choice: see changes_state for when it may
         self.sums: list | None = None  # the step's weight-gradient sums, made on first use
         self.summing = False  # whether this step's first backward has written the sums
         self.slices: dict[int, tf.IndexedSlices] = {}  # sparse gradients' sums, by variable
-        # Graphs, not eager ops: per-op Python overhead would dwarf a microbatch's compute.
-        self.output = CompiledCall(
-            tf.function(self._output, reduce_retracing=self.reduce_retracing)
-        )
+        # Graphs, not eager ops: per-op Python overhead would dwarf a microbatch's compute. A
+        # partial batch's smaller microbatch may come, so shapes are relaxed, not retraced.
+        self.output = CompiledCall(tf.function(self._output, reduce_retracing=True))
         # Its own function: a concrete function once run under a tape carries that tape's
         # extra outputs, and the pair is built from the function's outputs as traced.
         self.kept = KeptPair(
-            tf.function(self._output, reduce_retracing=self.reduce_retracing),
-            self.variables,
-            self._add_into_sums,
+            tf.function(self._output, reduce_retracing=True), self.variables, self._add_into_sums
         )
         self._compiled_backward = CompiledCall(
-            tf.function(self._recomputed_backward, reduce_retracing=self.reduce_retracing)
+            tf.function(self._recomputed_backward, reduce_retracing=True)
         )
-
-    def _output(self, x: tf.Tensor, y: tf.Tensor, share=None) -> tf.Tensor:
-        """The activation sent downstream or, on the last stage, its share of the loss (equal
-        microbatches: a 1/M share, whatever `share` says)."""
-        out = forward(self.elements, x)
-        return loss_fn(y, out) / self.microbatches if self.last else out
-
-    def sources(self, x: tf.Tensor, weights: bool, inputs: bool) -> list:
-        """What a backward differentiates: the weights and/or, except on stage 0, the input."""
-        return (self.variables if weights else []) + ([x] if inputs and not self.first else [])
-
-    def targets(self, out, upstream) -> tuple:
-        """(what the backward differentiates, the gradients it starts from)."""
-        return out, upstream
-
-    def input_gradient(self, tail: list):
-        return tail[0] if tail else None
-
-    def first_inputs(self, x: np.ndarray) -> tf.Tensor:
-        return tf.constant(x)
-
-    def infer(self, x):
-        return forward(self.elements, x)
 
     def forward(self, x, y, share) -> tuple:
         """(the output, its kept activations or None) of one microbatch, as the stage runs."""
         if self.recomputes:
             return self.output(x, y, share), None
         return self.forward_keeping(x, y, share)
-
-    def state_variables(self) -> list:
-        """What a training forward may change: none of the built-in elements' state."""
-        return [v for element in self.elements for v in element.non_trainable_variables]
 
     def forward_keeping(self, x, y, share):
         """(the output, its kept activations) of one microbatch."""
@@ -170,7 +113,7 @@ class Stage:
         else:
             seeds = None if self.last else tf.nest.flatten(self.targets(None, upstream)[1])
             grads, slices = self.kept.backward(kept, seeds, first)
-            tail = self.sources(tuple(grads) if isinstance(x, tuple) else grads[0], False, inputs)
+            tail = self.sources(tuple(grads), False, inputs)
         for i, grad in slices.items():
             self.slices[i] = grad if first else add_gradients([self.slices[i]], [grad])[0]
         return self.input_gradient(tail)
@@ -212,22 +155,6 @@ class Stage:
         an embedding's slices), and the next backward starts a new sum."""
         self.summing = False
         return [self.slices.get(i, total) for i, total in enumerate(self.sums or [])]
-
-
-class KerasStage(Stage):
-    """A piece of a user's compiled model: `piece` is a keras.Model from the tensors crossing
-    into it to the tensors crossing out (on the last stage, the model's outputs, whose loss
-    is the user's compiled loss, weighted by the microbatch's share of the global batch)."""
-
-    reduce_retracing = True
-
-    def __init__(self, index: int, n_stages: int, piece, model, microbatches: int):
-        self.piece, self.model = piece, model
-        self.float_inputs = [i for i, t in enumerate(piece.inputs) if is_float(t.dtype)]
-        self.float_outputs = [i for i, t in enumerate(piece.outputs) if is_float(t.dtype)]
-        variables, weights = list(piece.trainable_variables), list(piece.weights)
-        super().__init__(index, n_stages, [], microbatches, variables, weights)
-        self.stateful = changes_state(piece)
 
     def _output(self, x: tuple, y, share=None):
         out = self.piece(list(x), training=True)

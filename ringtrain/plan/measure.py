@@ -2,8 +2,8 @@
 
 Both ranks compute at once, as in training, and rank 0 reports. A data-parallel step's compute
 is timed as one compiled function over the whole model, the way ringtrain runs it; each
-unit's F, B, BI and BW the way the pipeline executor runs them (a unit is a built-in's element
-or a block of a user's graph between valid cuts; plan/subject.py holds the two kinds). Both at
+unit's F, B, BI and BW the way the pipeline executor runs them (a unit is a block of the
+model's graph between valid cuts: a built-in's layer, or a block of a user's graph). Both at
 two sample counts (a 16th and a half of the global batch: the microbatches and per-rank batches
 the planner considers lie between), fitted as fixed + per-sample seconds. Horovod's allreduce
 is timed at several sizes, the model's gradient bytes among them, and read between them along
@@ -230,10 +230,10 @@ def main(argv: list[str]) -> None:
     from ringtrain.heartbeat import gather_hosts
     from ringtrain.pipeline.calibrate import measure_link
     from ringtrain.pipeline.costs import MeasuredCurve
-    from ringtrain.plan.subject import subject_of
+    from ringtrain.plan.subject import Subject
     from ringtrain.tensorflow_loader import RESIDENT_AFTER_IMPORT, tf
 
-    subject = subject_of(args)
+    subject = Subject(args)
     elements = _elements(subject)
     params = sum(e["params"] for e in elements)
     report: dict = {"hosts": gather_hosts(world.comm)}
