@@ -92,7 +92,7 @@ def train(
         hooks.train_begin()
     if cfg.loop != "fit":
         train_on = _looped(data, cfg, make, hooks)
-    result = _run(cfg, f"Keras model {model.name!r}", train_on)
+    result = _run(cfg, f"Keras model {model.name!r}", _read_alike(data, cfg, train_on))
     if result.weights is not None:  # rank 0: the stages' weights, gathered
         receive_weights(model, result.weights)
         if hooks:
@@ -112,6 +112,24 @@ def _fitted(model, data: UserData, cfg: TrainConfig):
         base = base_learning_rate(model.optimizer)
         metrics = fit_model(model, data, cfg, world, watchdog, CompiledMetrics(model), base)
         return metrics, by_path(model.weights) if world.rank == 0 else None
+
+    return run
+
+
+def _read_alike(data, cfg: TrainConfig, train_on):
+    """A tf.data.Dataset must give every rank the same examples in the same order (no
+    unseeded shuffle): its first global batch is compared across the ranks before training."""
+    if not getattr(data, "in_order", False):
+        return train_on
+
+    def run(world: runtime.World, watchdog: Watchdog):
+        if world.size > 1:
+            from ringtrain.comm import Link
+            from ringtrain.streamed import check_same_order
+
+            wait = Link(world.comm, cfg.comm_timeout).wait
+            check_same_order(world.comm, wait, data.train, cfg.batch_size, "the training data")
+        return train_on(world, watchdog)
 
     return run
 
@@ -242,7 +260,7 @@ def fit(
     epochs: int | None = None,
     steps: int | None = None,
     shuffle: bool = True,
-    validation_data: tuple | None = None,
+    validation_data: Any = None,
     callbacks: Sequence = (),
     **options: Any,
 ):
@@ -251,17 +269,27 @@ def fit(
     `history` holds the loss per epoch and, with validation_data, `val_` + each compiled
     metric. Nothing is held out of x. With shuffle=False, global batch t is examples
     [t*B, (t+1)*B) and an epoch's last batch may be partial, as in Keras. Keras `callbacks`
-    run on rank 0 at epoch ends; their stop and learning-rate changes reach every rank."""
+    run on rank 0 at epoch ends; their stop and learning-rate changes reach every rank.
+    x may instead be a tf.data.Dataset of unbatched (features, label) elements (y None):
+    ringtrain batches it and keeps its order, as Keras's fit does (shuffle does not apply);
+    validation_data may be one too."""
     allowed = {f.name for f in fields(TrainConfig)} - set(NOT_OPTIONS)
     for name in options:
         if name not in allowed:
             raise UserError(f"fit() has no option {name!r}; it takes ringtrain train's flags")
-    if y is None:
+    from ringtrain import streamed
+
+    dataset = streamed.is_dataset(x)
+    if y is None and not dataset:
         raise UserError("fit() needs y, the targets of x, as numpy arrays")
+    if y is not None and dataset:
+        raise UserError("fit() takes no y with a tf.data.Dataset: its elements hold the labels")
     validation = None
-    if validation_data is not None:
+    if streamed.is_dataset(validation_data):
+        validation = streamed.in_memory(validation_data, "validation_data")
+    elif validation_data is not None:
         if not isinstance(validation_data, tuple) or len(validation_data) != 2:
-            raise UserError("validation_data must be a tuple (x_val, y_val)")
+            raise UserError("validation_data must be a tuple (x_val, y_val) or a Dataset")
         validation = Examples(*validation_data)
     cfg = TrainConfig(
         strategy=strategy,
@@ -272,7 +300,10 @@ def fit(
         shuffle=shuffle,
         **options,
     )
-    data = UserData(Examples(x, y), validation)
+    if dataset:
+        data = UserData(streamed.streamed(x, batch_size, "fit()"), validation, in_order=True)
+    else:
+        data = UserData(Examples(x, y), validation)
     result = train(model, data, cfg, given=set(options), callbacks=callbacks or ())
     return history_of(model, result.metrics)
 

@@ -116,12 +116,14 @@ def _arrays(part) -> list:
 class UserData:
     """Training examples and optional validation examples, for a user's own Keras model.
     `shard_rows`: the rows of each file the training examples are read from (None: arrays in
-    memory), which --shuffle then reorders file by file, within windows of `shuffle_buffer`."""
+    memory), which --shuffle then reorders file by file, within windows of `shuffle_buffer`.
+    `in_order`: a tf.data.Dataset's examples, which keep its own order (never shuffled)."""
 
     train: Examples
     validation: Examples | None = None
     shard_rows: list[int] | None = None
     shuffle_buffer: int = 0
+    in_order: bool = False
 
     @property
     def n_examples(self) -> int:
@@ -130,6 +132,7 @@ class UserData:
     keeps_partial_batch = True  # as Keras's fit: an epoch is ceil(N / B) steps
 
     def epoch_order(self, global_batch: int, seed: int, epoch: int, shuffle: bool) -> list:
+        shuffle = shuffle and not self.in_order
         if self.shard_rows is None or not shuffle:
             return epoch_order(self.n_examples, global_batch, seed, epoch, shuffle, True)
         from ringtrain.shards import shard_order

@@ -1,7 +1,8 @@
 """Your own data in `.npy` shards (`--data-files`): read through memory maps, in the order the
 same examples in memory would take, exact against Keras's own fit, shuffled file by file within
 a buffer, with a rank's memory bounded by a few shards, and every bad file refused in one
-line."""
+line. A tf.data.Dataset from --data: read in its own order, exact against Keras's fit, and one
+that is batched, endless or read differently by the ranks refused in one line."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 from conftest import BIN, ROOT, run
 from reference import keras_fit_updates, saved_model_updates
-from test_bad_input import said_once
+from test_bad_input import said_once, train_under_mpirun
 
 from ringtrain.errors import EXIT_USAGE
 from ringtrain.shards import OPEN_SHARDS, npy_shards, shard_order
@@ -72,25 +73,68 @@ def test_a_shuffled_epoch_reads_the_files_in_turn_within_a_buffer():
         assert len(set(files[start : start + buffer])) <= 2
 
 
+DATASETS = """
+import sys
+
+sys.path.insert(0, {folder!r})
+import tensorflow as tf
+import user_models
+
+
+def digits():
+    (x, y), _ = user_models.digits_split()
+    return tf.data.Dataset.from_tensor_slices((x, y))
+
+
+def with_held_out():  # (train, validation), both unbatched
+    _, (x_val, y_val) = user_models.digits_split()
+    return digits(), tf.data.Dataset.from_tensor_slices((x_val, y_val))
+
+
+def batched():
+    return digits().batch(8)
+
+
+def unseeded():  # each rank draws its own order
+    return digits().shuffle(300)
+
+
+def endless():
+    return digits().repeat()
+"""
+
+
+@pytest.fixture(scope="module")
+def datasets(tmp_path_factory) -> str:
+    """A --data file whose functions return tf.data.Datasets of the 300 training digits."""
+    path = tmp_path_factory.mktemp("datasets") / "datasets.py"
+    path.write_text(DATASETS.format(folder=str(USER_MODELS.parent)))
+    return str(path)
+
+
+PIPELINE = ["--strategy", "pipeline", "--schedule", "1f1b", "--microbatches", "4"]
+
+
 @pytest.mark.mpi
-@pytest.mark.parametrize(
-    "strategy",
-    [
-        ["--strategy", "data"],
-        ["--strategy", "pipeline", "--schedule", "1f1b", "--microbatches", "4"],
-    ],
-)
-def test_shards_train_as_keras_fit_on_the_same_examples(strategy, digits_shards, tmp_path):
-    """With --no-shuffle, global batch t is rows [tB, (t+1)B) of the shards in name order,
-    across shard boundaries: per tensor within the bound of Keras's fit on the arrays; the
-    held-out shards are scored."""
+@pytest.mark.parametrize("strategy", [["--strategy", "data"], PIPELINE], ids=["data", "pipeline"])
+@pytest.mark.parametrize("source", ["npy", "dataset"])
+def test_files_and_datasets_train_as_keras_fit_on_the_same_examples(
+    source, strategy, digits_shards, datasets, tmp_path
+):
+    """.npy shards with --no-shuffle: global batch t is rows [tB, (t+1)B) of the shards in
+    name order, across shard boundaries. A tf.data.Dataset: its elements [tB, (t+1)B), in its
+    own order though --shuffle is on (the default), as Keras's fit does. Either way per tensor
+    within the bound of Keras's fit on the arrays; the held-out part is scored."""
     train, held_out, reference = digits_shards
     saved, metrics = tmp_path / "trained.keras", tmp_path / "metrics.json"
+    inputs = {
+        "npy": ["--data-files", train, "--validation-files", held_out, "--no-shuffle"],
+        "dataset": ["--data", f"{datasets}:with_held_out"],
+    }[source]
     done = run(
         [
             *["mpirun", "--oversubscribe", "-np", "2", str(BIN / "ringtrain"), "train"],
-            *["--model", f"{USER_MODELS}:residual_cnn", "--data-files", train],
-            *["--validation-files", held_out, "--no-shuffle", "--batch-size", str(BATCH)],
+            *["--model", f"{USER_MODELS}:residual_cnn", *inputs, "--batch-size", str(BATCH)],
             *["--steps", str(STEPS), "--seed", str(SEED), "--save", str(saved)],
             *["--metrics-out", str(metrics), *strategy],
         ],
@@ -102,6 +146,41 @@ def test_shards_train_as_keras_fit_on_the_same_examples(strategy, digits_shards,
     reported = json.loads(metrics.read_text())
     assert set(reported["held_out"]) >= {"loss", "accuracy"}
     assert reported["input_wait_s"] > 0 and 0 < reported["input_wait_fraction"] < 1
+
+
+def test_a_dataset_is_read_a_global_batch_at_a_time_in_its_own_order():
+    """Positions read as the arrays' rows would be: within a global batch, from the next one,
+    back at the start (a new epoch), ahead by many (a resume), across several (--loop fit);
+    with a dict of features, and a length the dataset does not know until counted."""
+    from ringtrain.streamed import streamed
+    from ringtrain.tensorflow_loader import tf
+
+    x = np.arange(150, dtype=np.float32).reshape(50, 3)
+    y = np.arange(50)
+    unknown_length = tf.data.Dataset.from_tensor_slices(({"a": x}, y)).filter(lambda *_: True)
+    examples = streamed(unknown_length, 8, "--data")
+    assert len(examples) == 50
+    reads = [np.arange(8, 12), np.arange(12, 16), np.arange(16, 24), np.arange(0, 3)]
+    reads += [np.arange(48, 50), np.arange(3, 30), np.array([], int), np.arange(40, 44)]
+    for indices in reads:
+        features, labels = examples.take(indices)
+        np.testing.assert_array_equal(features["a"], x[indices])
+        np.testing.assert_array_equal(labels, y[indices])
+
+
+@pytest.mark.parametrize(
+    "function,ranks,needle",
+    [
+        ("batched", 1, "the dataset is already batched"),
+        ("endless", 1, "the dataset is infinite (repeat())"),
+        ("unseeded", 2, "the dataset's first global batch differs between ranks"),
+    ],
+)
+def test_a_dataset_that_cannot_be_read_alike_is_refused_in_one_line(
+    function, ranks, needle, datasets
+):
+    args = ["--model", f"{USER_MODELS}:residual_cnn", "--data", f"{datasets}:{function}"]
+    said_once(train_under_mpirun(*args, "--steps", "1", ranks=ranks), EXIT_USAGE, needle)
 
 
 def test_an_epoch_line_shows_the_input_wait_above_a_tenth_of_its_steps():

@@ -1,8 +1,9 @@
 """A user's own function, named on the command line as PATH.py:FUNCTION or module:FUNCTION.
 
 `--model` names one that returns a compiled keras.Model, `--data` one that returns numpy
-arrays. A mistake in the name, the file or what the function returns is a bad input, said in
-one line; an exception inside the user's own code is theirs, and keeps its traceback.
+arrays or tf.data.Datasets. A mistake in the name, the file or what the function returns is a
+bad input, said in one line; an exception inside the user's own code is theirs, and keeps its
+traceback.
 """
 
 from __future__ import annotations
@@ -90,7 +91,8 @@ def add_source_arguments(p: argparse.ArgumentParser) -> None:
         "--data",
         metavar="PATH.py:FUNCTION",
         help="your own data for --model FUNCTION: FUNCTION returns (x, y) or "
-        "((x, y), (x_val, y_val)) as numpy arrays (instead of --dataset)",
+        "((x, y), (x_val, y_val)) as numpy arrays, or a tf.data.Dataset of unbatched "
+        "(features, label) elements, or two (train, validation) (instead of --dataset)",
     )
 
 
@@ -170,9 +172,23 @@ def load_user_data(
     if target is None:
         found = load_dataset(cfg.dataset, cfg.seed, cfg.synthetic_size, cfg.synthetic_shape)
         return UserData(Examples(found.x, found.y), Examples(found.x_test, found.y_test))
-    from ringtrain import tensorflow_loader  # noqa: F401  (before the user's Keras import)
+    from ringtrain.config import uses_horovod
+    from ringtrain.runtime import size_threads
 
+    size_threads(uses_horovod(cfg))  # the user's function may run TensorFlow (tf.data) ops
     returned = load_function("--data", target)()
+    flag = f"--data {target}"
+    from ringtrain import streamed
+
+    if streamed.is_dataset(returned):
+        return UserData(streamed.streamed(returned, cfg.batch_size, flag), in_order=True)
+    if (
+        isinstance(returned, tuple)
+        and len(returned) == 2
+        and all(streamed.is_dataset(part) for part in returned)
+    ):
+        train = streamed.streamed(returned[0], cfg.batch_size, flag)
+        return UserData(train, streamed.in_memory(returned[1], flag), in_order=True)
     if (
         isinstance(returned, tuple)
         and len(returned) == 2
@@ -182,8 +198,8 @@ def load_user_data(
     if isinstance(returned, tuple) and len(returned) == 2:
         return UserData(Examples(*returned))
     raise UserError(
-        f"--data {target} returned {type(returned).__name__}; expected (x, y) or "
-        "((x, y), (x_val, y_val))"
+        f"{flag} returned {type(returned).__name__}; expected (x, y), ((x, y), (x_val, y_val)), "
+        "a tf.data.Dataset of (features, label) elements, or two of them (train, validation)"
     )
 
 

@@ -26,6 +26,7 @@ class GraphPlan:
         self.model, self.split = model, split
         self.kind = compiled.reduction_kind(model)
         self._pieces: dict[tuple, list] = {}
+        self._codecs: dict[tuple, tuple] = {}
 
     @property
     def n_units(self) -> int:
@@ -79,8 +80,11 @@ class GraphPlan:
         return Stage(s, len(bounds), self.pieces(bounds)[s], self.model, microbatches)
 
     def codec(self, t: Tensor, bounds: list[tuple[int, int]]):
-        piece = self.pieces(bounds)[t.stage]
-        sends, gradients = Stage.codecs_of(piece)
+        """Made once per stage: every message asks, and reading a piece's tensors is slow."""
+        key = (t.stage, tuple(bounds))
+        if key not in self._codecs:
+            self._codecs[key] = Stage.codecs_of(self.pieces(bounds)[t.stage])
+        sends, gradients = self._codecs[key]
         return sends if t.kind == "ACT" else gradients
 
     def optimizer(self, _cfg: TrainConfig):
