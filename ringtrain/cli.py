@@ -152,15 +152,18 @@ def _check_user_flags(args: argparse.Namespace, cfg: TrainConfig) -> None:
 
 def _train_user_model(args: argparse.Namespace, cfg: TrainConfig, me, wait_for: float):
     """Load the user's data on every rank (agreed), then build their model after seeding."""
+    from ringtrain import runtime
+
+    if args.data:  # the user's function may run TensorFlow ops (tf.data): size its pools first
+        runtime.init(uses_horovod(cfg))
     data = _agreed(
         lambda: load_user_data(args.data, cfg, args.data_files, args.validation_files),
         me,
         wait_for,
     )
-    from ringtrain import runtime
     from ringtrain.api import train
 
-    runtime.init(uses_horovod(cfg))  # before the user's code runs a TensorFlow op
+    runtime.init(uses_horovod(cfg))  # before the user's model runs a TensorFlow op
     with alike_on_every_rank(me.rank):  # the same files on every node: the same verdict
         model = build_user_model(cfg.model, args.model_arg, cfg.seed)
     return train(model, data, cfg, typed_flags(args))

@@ -56,19 +56,29 @@ def _parts(spec, path: str):
         yield from _parts(value, f"{path}/{key}" if path else str(key))
 
 
-def count(dataset, flag: str) -> int:
-    """The dataset's length: its own, or counted once by reading it through."""
+def _finite(dataset, flag: str) -> int:
+    """The dataset's declared length (tf.data.UNKNOWN_CARDINALITY when it cannot tell)."""
     n = int(dataset.cardinality())
     if n == tf.data.INFINITE_CARDINALITY:
         raise UserError(
             f"{flag}: the dataset is infinite (repeat()); give one epoch of it, ringtrain "
             "repeats it for every epoch"
         )
-    if n == tf.data.UNKNOWN_CARDINALITY:
-        n = int(dataset.reduce(np.int64(0), lambda total, _: total + 1))
+    return n
+
+
+def _not_empty(n: int, flag: str) -> int:
     if n == 0:
         raise UserError(f"{flag}: the dataset holds no examples")
     return n
+
+
+def count(dataset, flag: str) -> int:
+    """The dataset's length: its own, or counted once by reading it through."""
+    n = _finite(dataset, flag)
+    if n == tf.data.UNKNOWN_CARDINALITY:
+        n = int(dataset.reduce(np.int64(0), lambda total, _: total + 1))
+    return _not_empty(n, flag)
 
 
 class _Window:
@@ -151,8 +161,9 @@ def streamed(dataset, batch: int, flag: str) -> Examples:
 def in_memory(dataset, flag: str) -> Examples:
     """The whole dataset as arrays: for held-out data, which every rank scores in shares."""
     check_elements(dataset, flag)
-    count(dataset, flag)
-    parts = list(dataset.batch(4096).as_numpy_iterator())
+    _finite(dataset, flag)
+    parts = list(dataset.batch(4096).as_numpy_iterator())  # read once, counted as read
+    _not_empty(len(parts), flag)
     joined = tf.nest.map_structure(_joined, *parts)
     return Examples(*joined)
 

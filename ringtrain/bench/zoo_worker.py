@@ -104,8 +104,9 @@ def _contenders(world: runtime.World, data: Dataset) -> dict[str, Contender]:
     data_cfg = replace(cfg, strategy="data")
     new_cnn = partial(functional_cnn, data.input_shape, data.n_classes)
     new_resnet = partial(resnet50, data.n_classes)
-    drawn = new_resnet().get_weights()  # on every rank, so that names number alike
-    initial = world.comm.bcast(drawn if world.rank == 0 else None)
+    initial = new_resnet().get_weights()  # on every rank, so that names number alike
+    for array in initial:  # rank 0's draw, as contiguous buffers (no pickle)
+        world.comm.Bcast(array, root=0)
 
     def resnet(make_engine, horovod: bool = False) -> Contender:
         model = new_resnet()

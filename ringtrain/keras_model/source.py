@@ -172,10 +172,6 @@ def load_user_data(
     if target is None:
         found = load_dataset(cfg.dataset, cfg.seed, cfg.synthetic_size, cfg.synthetic_shape)
         return UserData(Examples(found.x, found.y), Examples(found.x_test, found.y_test))
-    from ringtrain.config import uses_horovod
-    from ringtrain.runtime import size_threads
-
-    size_threads(uses_horovod(cfg))  # the user's function may run TensorFlow (tf.data) ops
     returned = load_function("--data", target)()
     flag = f"--data {target}"
     from ringtrain import streamed
