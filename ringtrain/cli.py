@@ -216,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     from ringtrain.launch import launch_cli
     from ringtrain.pipeline import schedule_cli
     from ringtrain.plan import cli as plan_cli
+    from ringtrain.synthetic_files import add_data_arguments, run_data_command
 
     parser = OneLineParser(prog=PROG, description="Distributed training of Keras models on MPI.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
@@ -262,6 +263,12 @@ def build_parser() -> argparse.ArgumentParser:
             "rank strategies and grids by predicted step time and memory (calibrate: measure)",
             plan_cli.add_plan_arguments,
             plan_cli.run_plan_command,
+        ),
+        (
+            "data",
+            "make data here for tests and benchmarks: make-synthetic (TFRecord or .npy shards)",
+            add_data_arguments,
+            run_data_command,
         ),
         (
             "cluster",

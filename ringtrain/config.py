@@ -391,6 +391,13 @@ def _whole_number(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
 
 
+def positive_whole_number(text: str) -> int:
+    """An argparse type: a count of something (ranks, examples, shards)."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"want a whole number >= 1, got {text!r}")
+    return int(text)
+
+
 TEXT_TO = {int: _whole_number, float: float}  # str stays text; a shape is read by config
 
 

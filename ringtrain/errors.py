@@ -6,6 +6,7 @@ the one place that turns it into a single `ringtrain <command>: error: ...` line
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -70,17 +71,39 @@ class InternalError(UserError):
     exit_code = EXIT_INTERNAL
 
     @classmethod
-    def from_exception(cls, exc: BaseException) -> InternalError:
-        where = ""
-        tb = exc.__traceback__
-        while tb is not None and tb.tb_next is not None:
-            tb = tb.tb_next
-        if tb is not None:
-            where = f" (at {tb.tb_frame.f_code.co_filename}:{tb.tb_lineno})"
-        return cls(
-            f"internal error: {type(exc).__name__}: {exc}{where}; "
-            "set RINGTRAIN_TRACEBACK=1 to see the traceback"
+    def from_exception(cls, exc: BaseException) -> UserError:
+        """The exception in one line, or the user's input it is really about."""
+        known = _known_input_problem(exc)
+        if known is not None:
+            return known
+        return cls(f"internal error: {raised(exc)}; set RINGTRAIN_TRACEBACK=1 to see the traceback")
+
+
+def raised(exc: BaseException) -> str:
+    """`Type: message (at file:line)`, the line where it was raised."""
+    where = ""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is not None:
+        where = f" (at {tb.tb_frame.f_code.co_filename}:{tb.tb_lineno})"
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+LABEL_OUT_OF_RANGE = re.compile(
+    r"Received a label value of (-?\d+) which is outside the valid range of \[0, (\d+)\)"
+)
+
+
+def _known_input_problem(exc: BaseException) -> UserError | None:
+    """A library's error that names a fault in the user's data, said as that fault."""
+    found = LABEL_OUT_OF_RANGE.search(str(exc))
+    if found:
+        return UserError(
+            f"labels out of range: the data holds label {found[1]}, but the model's output has "
+            f"{found[2]} classes (labels 0..{int(found[2]) - 1})"
         )
+    return None
 
 
 def report(prog: str, message: str, rank: int | None = None) -> None:

@@ -29,13 +29,13 @@ def check_elements(dataset, flag: str) -> None:
     spec = dataset.element_spec
     if not (isinstance(spec, tuple) and len(spec) == 2):
         raise UserError(f"{flag}: the dataset's elements must be (features, label) pairs")
-    for path, part in _parts(spec[1], "label"):
+    for path, part in parts(spec[1], "label"):
         if part.shape.rank and part.shape[0] is None:
             raise UserError(
                 f"{flag}: the dataset is already batched ({path} has shape {part.shape}); "
                 "return unbatched elements and ringtrain batches them"
             )
-    for path, part in _parts({"features": spec[0], "label": spec[1]}, ""):
+    for path, part in parts({"features": spec[0], "label": spec[1]}, ""):
         if part.shape.rank is None or None in part.shape:
             raise UserError(
                 f"{flag}: element part {path} has no fixed shape ({part.shape}); every element "
@@ -43,7 +43,7 @@ def check_elements(dataset, flag: str) -> None:
             )
 
 
-def _parts(spec, path: str):
+def parts(spec, path: str):
     """(path, TensorSpec) of every array in an element's structure: features/token_ids."""
     if isinstance(spec, dict):
         items = spec.items()
@@ -53,7 +53,7 @@ def _parts(spec, path: str):
         yield path, spec
         return
     for key, value in items:
-        yield from _parts(value, f"{path}/{key}" if path else str(key))
+        yield from parts(value, f"{path}/{key}" if path else str(key))
 
 
 def _finite(dataset, flag: str) -> int:
@@ -125,9 +125,10 @@ def _joined(*pieces: np.ndarray) -> np.ndarray:
 
 
 class _Column:
-    """One part of the elements, indexed by global position like an array."""
+    """One part of the elements, indexed by global position like an array. `window` reads
+    them: anything with `n_examples` and `rows(part, indices)`."""
 
-    def __init__(self, window: _Window, part: list, spec):
+    def __init__(self, window, part: list, spec):
         self.window, self.part = window, part
         self.shape = (window.n_examples, *spec.shape)
         self.dtype = np.dtype(spec.dtype.as_numpy_dtype)
@@ -139,10 +140,10 @@ class _Column:
         return self.window.rows(self.part, indices)
 
 
-def _columns(window: _Window, spec, part: list):
+def columns(window, spec, part: list):
     """A column per array of the elements' structure: a dict's keys stay keys."""
     if isinstance(spec, dict):
-        return {key: _columns(window, value, [*part, key]) for key, value in spec.items()}
+        return {key: columns(window, value, [*part, key]) for key, value in spec.items()}
     return _Column(window, part, spec)
 
 
@@ -155,16 +156,16 @@ def streamed(dataset, batch: int, flag: str) -> Examples:
     )
     window = _Window(dataset.with_options(options), count(dataset, flag), batch)
     features, labels = dataset.element_spec
-    return Examples(_columns(window, features, [0]), _columns(window, labels, [1]))
+    return Examples(columns(window, features, [0]), columns(window, labels, [1]))
 
 
 def in_memory(dataset, flag: str) -> Examples:
     """The whole dataset as arrays: for held-out data, which every rank scores in shares."""
     check_elements(dataset, flag)
     _finite(dataset, flag)
-    parts = list(dataset.batch(4096).as_numpy_iterator())  # read once, counted as read
-    _not_empty(len(parts), flag)
-    joined = tf.nest.map_structure(_joined, *parts)
+    batches = list(dataset.batch(4096).as_numpy_iterator())  # read once, counted as read
+    _not_empty(len(batches), flag)
+    joined = tf.nest.map_structure(_joined, *batches)
     return Examples(*joined)
 
 

@@ -15,7 +15,7 @@ from conftest import BIN, ROOT, run
 from reference import keras_fit_updates, saved_model_updates
 from test_bad_input import said_once, train_under_mpirun
 
-from ringtrain.errors import EXIT_USAGE
+from ringtrain.errors import EXIT_USAGE, UserError
 from ringtrain.shards import OPEN_SHARDS, npy_shards, shard_order
 
 USER_MODELS = ROOT / "tests" / "user_models.py"
@@ -34,19 +34,46 @@ def write_shards(folder, x: np.ndarray, y: np.ndarray, sizes: list[int]) -> str:
     return str(folder / "*.npy")
 
 
+def write_records(folder, x: np.ndarray, y: np.ndarray, sizes: list[int]) -> str:
+    """TFRecord files of the given record counts, each record a tf.train.Example of the row's
+    float32 bytes and its label (what DATASETS' parse_digit reads); the GLOB that finds them."""
+    from ringtrain.tensorflow_loader import tf
+
+    folder.mkdir(parents=True, exist_ok=True)
+    start = 0
+    for i, size in enumerate(sizes):
+        with tf.io.TFRecordWriter(str(folder / f"part-{i}.tfrecord")) as writer:
+            for row, label in zip(x[start : start + size], y[start : start + size], strict=True):
+                feature = {
+                    "x": tf.train.Feature(bytes_list=tf.train.BytesList(value=[row.tobytes()])),
+                    "y": tf.train.Feature(int64_list=tf.train.Int64List(value=[int(label)])),
+                }
+                example = tf.train.Example(features=tf.train.Features(feature=feature))
+                writer.write(example.SerializeToString())
+        start += size
+    assert start == len(x)
+    return str(folder / "*.tfrecord")
+
+
 @pytest.fixture(scope="module")
 def digits_shards(tmp_path_factory):
-    """tests/user_models.py's 300 training digits in 3 uneven shards, its 200 held out in 2;
-    and Keras's own fit of the residual CNN on the same examples in order."""
+    """tests/user_models.py's 300 training digits in 3 uneven shards, its 200 held out in 2,
+    as .npy pairs and as TFRecord files; and Keras's own fit of the residual CNN on the same
+    examples in order."""
     sys.path.insert(0, str(USER_MODELS.parent))
     import user_models
 
     (x, y), (x_val, y_val) = user_models.digits_split()
     root = tmp_path_factory.mktemp("shards")
-    train = write_shards(root / "train", x, y, [100, 130, 70])
-    held_out = write_shards(root / "held_out", x_val, y_val, [150, 50])
+    files = {
+        kind: (
+            write(root / kind / "train", x, y, [100, 130, 70]),
+            write(root / kind / "held_out", x_val, y_val, [150, 50]),
+        )
+        for kind, write in (("npy", write_shards), ("tfrecord", write_records))
+    }
     reference = keras_fit_updates(user_models.residual_cnn, x, y, BATCH, STEPS, seed=SEED)
-    return train, held_out, reference
+    return files, reference
 
 
 def test_sharded_rows_read_as_the_array_would_with_few_maps_open(tmp_path):
@@ -101,6 +128,23 @@ def unseeded():  # each rank draws its own order
 
 def endless():
     return digits().repeat()
+
+
+def parse_digit(serialized):  # one record of write_records: 8x8x1 float32 bytes, a label
+    found = tf.io.parse_single_example(
+        serialized,
+        {{"x": tf.io.FixedLenFeature([], tf.string), "y": tf.io.FixedLenFeature([], tf.int64)}},
+    )
+    return tf.reshape(tf.io.decode_raw(found["x"], tf.float32), (8, 8, 1)), found["y"]
+
+
+def parse_digit_shifted(serialized):  # labels 10..19, beyond a 10-class model
+    image, label = parse_digit(serialized)
+    return image, label + 10
+
+
+def fails():
+    raise ValueError("no data today")
 """
 
 
@@ -117,20 +161,23 @@ PIPELINE = ["--strategy", "pipeline", "--schedule", "1f1b", "--microbatches", "4
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("strategy", [["--strategy", "data"], PIPELINE], ids=["data", "pipeline"])
-@pytest.mark.parametrize("source", ["npy", "dataset"])
+@pytest.mark.parametrize("source", ["npy", "tfrecord", "dataset"])
 def test_files_and_datasets_train_as_keras_fit_on_the_same_examples(
     source, strategy, digits_shards, datasets, tmp_path
 ):
-    """.npy shards with --no-shuffle: global batch t is rows [tB, (t+1)B) of the shards in
-    name order, across shard boundaries. A tf.data.Dataset: its elements [tB, (t+1)B), in its
-    own order though --shuffle is on (the default), as Keras's fit does. Either way per tensor
-    within the bound of Keras's fit on the arrays; the held-out part is scored."""
-    train, held_out, reference = digits_shards
+    """.npy shards or TFRecord files with --no-shuffle: global batch t is rows [tB, (t+1)B)
+    of the files in name order, across file boundaries. A tf.data.Dataset: its elements
+    [tB, (t+1)B), in its own order though --shuffle is on (the default), as Keras's fit does.
+    Either way per tensor within the bound of Keras's fit on the arrays; the held-out part is
+    scored."""
+    files, reference = digits_shards
     saved, metrics = tmp_path / "trained.keras", tmp_path / "metrics.json"
-    inputs = {
-        "npy": ["--data-files", train, "--validation-files", held_out, "--no-shuffle"],
-        "dataset": ["--data", f"{datasets}:with_held_out"],
-    }[source]
+    if source == "dataset":
+        inputs = ["--data", f"{datasets}:with_held_out"]
+    else:
+        train, held_out = files[source]
+        inputs = ["--data-files", train, "--validation-files", held_out, "--no-shuffle"]
+        inputs += ["--data", f"{datasets}:parse_digit"] if source == "tfrecord" else []
     done = run(
         [
             *["mpirun", "--oversubscribe", "-np", "2", str(BIN / "ringtrain"), "train"],
@@ -267,13 +314,120 @@ def test_bad_shards_are_refused_in_one_line_before_tensorflow(case, tmp_path, be
         (["--validation-files", "x"], "--validation-files goes with --data-files"),
         (
             [
-                *["--model", f"{USER_MODELS}:residual_cnn", "--data-files", "x"],
+                *["--model", f"{USER_MODELS}:residual_cnn", "--data-files", "x-*.npy"],
                 *["--data", f"{USER_MODELS}:digits_split"],
             ],
-            "either --data or --data-files",
+            "--data goes with TFRecord --data-files (it parses a record)",
         ),
         (["--shuffle-buffer", "0"], "--shuffle-buffer must be at least 1"),
     ],
 )
 def test_bad_data_file_flags_are_refused_before_tensorflow(args, needle, before_tensorflow):
     said_once(before_tensorflow("train", *args), EXIT_USAGE, needle)
+
+
+def _parse_pair(serialized):
+    """write_records' records as (features, label), as a user's parse function would."""
+    from ringtrain.tensorflow_loader import tf
+
+    found = tf.io.parse_single_example(
+        serialized,
+        {"x": tf.io.FixedLenFeature([], tf.string), "y": tf.io.FixedLenFeature([], tf.int64)},
+    )
+    return tf.io.decode_raw(found["x"], tf.float32), found["y"]
+
+
+def test_tfrecord_files_read_by_position_as_the_arrays_would(tmp_path):
+    """Records located by one pass over their lengths and read by global position, in any
+    order, across files, with few files open; the file sizes drive --shuffle as .npy's do."""
+    from ringtrain.records import OPEN_FILES, parsed_records
+
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(230, 5)).astype(np.float32)
+    y = rng.integers(0, 7, size=230)
+    sizes = [40, 1, 89, 30, 20, 50]
+    examples, rows = parsed_records(write_records(tmp_path, x, y, sizes), _parse_pair, "--f")
+    assert rows == sizes and len(examples) == 230 and examples.x.shape == (230, 5)
+    for indices in (rng.permutation(230)[:64], np.arange(35, 135), np.array([229, 0, 40])):
+        features, labels = examples.take(indices)
+        np.testing.assert_array_equal(features, x[indices])
+        np.testing.assert_array_equal(labels, y[indices])
+    assert len(examples.x.window.files._open) <= OPEN_FILES
+
+
+def test_bad_tfrecord_files_are_named_in_one_line(tmp_path):
+    """A file cut short, one with no records, a record that does not parse (its file and its
+    index in it), and records that parse to another shape than the first."""
+    from ringtrain.records import parsed_records
+
+    x = np.zeros((12, 4), np.float32)
+    good = write_records(tmp_path / "good", x, np.arange(12) % 3, [6, 6])
+    whole = (tmp_path / "good" / "part-0.tfrecord").read_bytes()
+    (tmp_path / "cut.tfrecord").write_bytes(whole[: len(whole) - 9])
+    (tmp_path / "empty.tfrecord").write_bytes(b"")
+
+    def refused(pattern: str, parse, needle: str, read=None) -> None:
+        with pytest.raises(UserError) as said:
+            examples = parsed_records(pattern, parse, "--data-files")[0]
+            examples.take(np.arange(12) if read is None else read)
+        assert needle in str(said.value), str(said.value)
+
+    refused(str(tmp_path / "cut.tfrecord"), _parse_pair, "(record 5 is cut short)")
+    refused(str(tmp_path / "empty.tfrecord"), _parse_pair, "empty.tfrecord holds no records")
+    refused(str(tmp_path / "none-*.tfrecord"), _parse_pair, "matches no file")
+
+    def wrong_key(serialized):
+        from ringtrain.tensorflow_loader import tf
+
+        ids = tf.io.parse_single_example(serialized, {"z": tf.io.FixedLenFeature([], tf.int64)})
+        return ids["z"], 0
+
+    refused(good, wrong_key, "record 0 of ")
+    refused(good, wrong_key, "Feature: z (data type: int64) is required")
+
+    def longer_for_label_two(serialized):
+        from ringtrain.tensorflow_loader import tf
+
+        features, label = _parse_pair(serialized)
+        return tf.cond(label == 2, lambda: tf.concat([features, [1.0]], 0), lambda: features), label
+
+    refused(good, longer_for_label_two, "do not batch", np.arange(6))
+    refused(good, longer_for_label_two, "element part features is (5,) float32", np.array([2]))
+
+
+@pytest.mark.mpi
+def test_a_failing_data_function_and_labels_beyond_the_model_are_said_in_one_line(
+    digits_shards, datasets
+):
+    args = ["--model", f"{USER_MODELS}:residual_cnn", "--steps", "1"]
+    failing = train_under_mpirun(*args, "--data", f"{datasets}:fails", ranks=1)
+    said_once(failing, EXIT_USAGE, "failed: ValueError: no data today")
+    train, _ = digits_shards[0]["tfrecord"]
+    shifted = train_under_mpirun(
+        *args, "--data-files", train, "--data", f"{datasets}:parse_digit_shifted", ranks=1
+    )
+    said_once(shifted, EXIT_USAGE, "labels out of range: the data holds label 1")
+
+
+def test_make_synthetic_writes_the_same_examples_as_tfrecord_and_npy(tmp_path):
+    """`ringtrain data make-synthetic` in both formats from one seed: the shipped parse function
+    reads the TFRecord files to the .npy shards' arrays; a folder that holds shards is kept."""
+    from ringtrain.records import parsed_records
+    from ringtrain.synthetic_files import parse_image
+
+    flags = ["--examples", "700", "--shape", "5,4,3", "--classes", "4", "--shards", "3"]
+    for fmt in ("tfrecord", "npy"):
+        done = run([str(BIN / "ringtrain"), "data", "make-synthetic", str(tmp_path / fmt),
+                    "--format", fmt, *flags])  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert "--data-files" in done.stdout.splitlines()[-1]
+    records, rows = parsed_records(str(tmp_path / "tfrecord" / "*"), parse_image, "--f")
+    x, y = npy_shards(str(tmp_path / "npy" / "*.npy"), "--f")
+    assert rows == x.rows == [234, 233, 233]
+    images, labels = records.take(np.arange(700))
+    assert images.dtype == np.uint8 and images.shape == (700, 5, 4, 3)
+    np.testing.assert_array_equal(images, x[np.arange(700)])
+    np.testing.assert_array_equal(labels, y[np.arange(700)])
+    assert set(labels) == {0, 1, 2, 3}
+    again = run([str(BIN / "ringtrain"), "data", "make-synthetic", str(tmp_path / "npy"), *flags])
+    said_once(again, EXIT_USAGE, "already holds shards (x-00000.npy)", "data make-synthetic")

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ringtrain.config import TrainConfig, check_paths, is_model_function
-from ringtrain.errors import UserError
+from ringtrain.errors import UserError, raised
 
 
 def check_target(flag: str, target: str) -> tuple[str, str]:
@@ -42,6 +42,16 @@ def load_function(flag: str, target: str) -> Callable:
     if not callable(function):
         raise UserError(f"{flag} {target!r}: {name} in {where} is not a function")
     return function
+
+
+def called(flag: str, target: str, function: Callable, **kwargs):
+    """The user's function's result; what it raises is said in one line as their fault."""
+    try:
+        return function(**kwargs)
+    except UserError:
+        raise
+    except Exception as exc:
+        raise UserError(f"{flag} {target} failed: {raised(exc)}") from None
 
 
 def _module_from_file(path: str):
@@ -122,17 +132,18 @@ def source_flags(model: str, model_args: Sequence[str], data: str | None, datase
 
 
 def add_file_arguments(p: argparse.ArgumentParser) -> None:
-    """--data-files and --validation-files: a --model FUNCTION's examples in .npy shards."""
+    """--data-files and --validation-files: a --model FUNCTION's examples in shards."""
     p.add_argument(
         "--data-files",
         metavar="GLOB",
-        help="training examples in .npy shards, pairs x-NNNNN.npy and y-NNNNN.npy, read "
-        "through memory maps (instead of --data or --dataset); quote the GLOB",
+        help="training examples in files (instead of --dataset; quote the GLOB): TFRecord "
+        "shards, each record parsed by --data PATH.py:FUNCTION, or .npy shards, pairs "
+        "x-NNNNN.npy and y-NNNNN.npy read through memory maps",
     )
     p.add_argument(
         "--validation-files",
         metavar="GLOB",
-        help="held-out examples in .npy shards, named as for --data-files",
+        help="held-out examples in files of the same kind as --data-files",
     )
 
 
@@ -144,10 +155,33 @@ def check_file_flags(args: argparse.Namespace, dataset: str) -> None:
         return
     if not is_model_function(args.model):
         raise UserError("--data-files needs --model PATH.py:FUNCTION, your own model")
-    if args.data:
-        raise UserError("give either --data or --data-files, not both")
+    if args.data and args.data_files.endswith(".npy"):
+        raise UserError(
+            "--data goes with TFRecord --data-files (it parses a record); .npy shards need none"
+        )
     if dataset != TrainConfig.dataset:
         raise UserError("give either --data-files or --dataset, not both")
+
+
+def _files(pattern: str | None, flag: str, parse: str | None):
+    """(examples, records per file) of the .npy or TFRecord shards `pattern` matches."""
+    from ringtrain.data import Examples
+    from ringtrain.records import parsed_records, record_files
+    from ringtrain.shards import npy_shards
+
+    if pattern is None:
+        return None, None
+    if all(path.endswith(".npy") for path in record_files(pattern, flag)):
+        if parse is not None:
+            raise UserError(f"{flag} {pattern} names .npy shards, which need no --data parser")
+        x, y = npy_shards(pattern, flag)
+        return Examples(x, y), x.rows
+    if parse is None:
+        raise UserError(
+            f"{flag} {pattern}: TFRecord files need --data PATH.py:FUNCTION, the function "
+            "that parses one record into (features, label)"
+        )
+    return parsed_records(pattern, load_function("--data", parse), flag)
 
 
 def load_user_data(
@@ -162,17 +196,13 @@ def load_user_data(
 
     check_paths(cfg)
     if data_files:
-        from ringtrain.shards import npy_shards
-
-        x, y = npy_shards(data_files, "--data-files")
-        held_out = None
-        if validation_files:
-            held_out = Examples(*npy_shards(validation_files, "--validation-files"))
-        return UserData(Examples(x, y), held_out, x.rows, cfg.shuffle_buffer)
+        train, rows = _files(data_files, "--data-files", target)
+        held_out = _files(validation_files, "--validation-files", target)[0]
+        return UserData(train, held_out, rows, cfg.shuffle_buffer)
     if target is None:
         found = load_dataset(cfg.dataset, cfg.seed, cfg.synthetic_size, cfg.synthetic_shape)
         return UserData(Examples(found.x, found.y), Examples(found.x_test, found.y_test))
-    returned = load_function("--data", target)()
+    returned = called("--data", target, load_function("--data", target))
     flag = f"--data {target}"
     from ringtrain import streamed
 
@@ -210,6 +240,6 @@ def build_user_model(target: str, model_args: Sequence[str], seed: int):
 
     build = load_function("--model", target)
     keras.utils.set_random_seed(seed)
-    model = build(**parse_arguments(model_args))
+    model = called("--model", target, build, **parse_arguments(model_args))
     check_compiled(model, f"--model {target}")
     return model

@@ -21,7 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from ringtrain.bounded import RunFailed, run_bounded
-from ringtrain.config import TrainConfig, add_train_arguments, check_values, is_model_function
+from ringtrain.config import (
+    TrainConfig,
+    add_train_arguments,
+    check_values,
+    is_model_function,
+    positive_whole_number,
+)
 from ringtrain.errors import UserError
 from ringtrain.keras_model.source import add_source_arguments, check_source_flags, source_flags
 from ringtrain.launch.mpirun import host_flags, mpi_env, mpirun_command
@@ -56,19 +62,13 @@ def _bytes(text: str) -> int:
     return value
 
 
-def _positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"want a whole number >= 1, got {text!r}")
-    return int(text)
-
-
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", nargs="?", choices=["calibrate"], help="measure instead of plan")
     add_train_arguments(p, PLANNED_FLAGS)  # declared once, with train's defaults and help
     add_source_arguments(p)
     p.set_defaults(optimizer=None)  # absent unless typed: a compiled model refuses it
-    p.add_argument("--nodes", type=_positive, default=1)
-    p.add_argument("--ranks-per-node", type=_positive, default=2)
+    p.add_argument("--nodes", type=positive_whole_number, default=1)
+    p.add_argument("--ranks-per-node", type=positive_whole_number, default=2)
     p.add_argument("--memory-per-rank", type=_bytes, help="bytes a rank may hold (e.g. 2G)")
     p.add_argument("--grid", help="only the grid DxP (D replicas of P stages)")
     p.add_argument(

@@ -1,0 +1,225 @@
+"""Examples in TFRecord shards, read by record index and parsed by the user's function.
+
+A TFRecord file is a sequence of records, each a length, its checksum, the bytes and theirs.
+One pass over the lengths (seeks, no data read) gives every record's offset, so a record is
+then read by index like a row of an array: global batch t takes the same records under every
+strategy and rank count, --shuffle reorders them file by file within a buffer as it does
+`.npy` shards, and a resumed run starts at any step. A rank reads only the records it trains
+on, with `pread` (no memory map: its resident memory stays a batch's, however large the
+files), and parses them in parallel in tf.data within its share of the cores.
+
+The parse function is the user's: `parse(serialized) -> (features, label)`, called per record,
+as in `TFRecordDataset(files).map(parse)`. Shapes and dtypes are those of the first record;
+any record that differs, or fails to parse, is named with its file and index.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import struct
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from ringtrain.errors import UserError
+
+HEADER = struct.Struct("<QI")  # the record's length and the length's masked CRC-32C
+FOOTER_BYTES = 4  # the data's masked CRC-32C
+OPEN_FILES = 4
+
+
+def record_files(pattern: str, flag: str) -> list[str]:
+    """The files a GLOB matches, in name order, or one line saying there are none."""
+    paths = sorted(p for p in glob.glob(os.path.expanduser(pattern)) if not os.path.isdir(p))
+    if not paths:
+        raise UserError(f"{flag} {pattern} matches no file")
+    return paths
+
+
+def record_offsets(path: str, flag: str) -> np.ndarray:
+    """(offset of the data, length) of every record in an uncompressed TFRecord file."""
+    try:
+        size = os.path.getsize(path)
+        found = []
+        with open(path, "rb") as f:
+            at = 0
+            while at < size:
+                header = f.read(HEADER.size)
+                if len(header) < HEADER.size:
+                    break
+                length, _ = HEADER.unpack(header)
+                if at + HEADER.size + length + FOOTER_BYTES > size:
+                    break
+                found.append((at + HEADER.size, length))
+                at += HEADER.size + length + FOOTER_BYTES
+                f.seek(at)
+    except OSError as exc:
+        raise UserError(f"{flag}: cannot read {path}: {exc.strerror}") from None
+    if at != size:
+        raise UserError(
+            f"{flag}: {path} is not an uncompressed TFRecord file (record {len(found)} is cut "
+            "short)"
+        )
+    if not found:
+        raise UserError(f"{flag}: {path} holds no records")
+    return np.array(found, np.int64).reshape(-1, 2)
+
+
+class RecordFiles:
+    """The records of several files, indexed by global position in file-name order."""
+
+    def __init__(self, paths: Sequence[str], flag: str):
+        self.paths, self.flag = list(paths), flag
+        self.offsets = [record_offsets(p, flag) for p in self.paths]
+        self.rows = [len(o) for o in self.offsets]
+        self.starts = np.cumsum([0, *self.rows])
+        self._open: OrderedDict[int, int] = OrderedDict()
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def where(self, index: int) -> str:
+        """A record's file and index in it, for a message."""
+        f = int(np.searchsorted(self.starts, index, side="right") - 1)
+        return f"record {index - self.starts[f]} of {self.paths[f]}"
+
+    def read(self, indices: np.ndarray) -> list[bytes]:
+        """The serialized records at global positions `indices`, in that order."""
+        files = np.searchsorted(self.starts, indices, side="right") - 1
+        out: list[bytes] = []
+        for index, f in zip(indices.tolist(), files.tolist(), strict=True):
+            offset, length = self.offsets[f][index - self.starts[f]]
+            data = os.pread(self._descriptor(f), int(length), int(offset))
+            if len(data) != length:
+                raise UserError(f"{self.flag}: {self.where(index)} is cut short")
+            out.append(data)
+        return out
+
+    def _descriptor(self, f: int) -> int:
+        if f in self._open:
+            self._open.move_to_end(f)
+            return self._open[f]
+        while len(self._open) >= OPEN_FILES:
+            os.close(self._open.popitem(last=False)[1])
+        try:
+            self._open[f] = os.open(self.paths[f], os.O_RDONLY)
+        except OSError as exc:
+            raise UserError(f"{self.flag}: cannot read {self.paths[f]}: {exc.strerror}") from None
+        return self._open[f]
+
+
+class ParsedRecords:
+    """Records parsed by the user's function, a batch of positions at a time. The last batch
+    parsed is kept: a step asks for its features and its labels separately."""
+
+    def __init__(self, files: RecordFiles, parse: Callable, flag: str):
+        from ringtrain.tensorflow_loader import tf
+
+        self.files, self.parse, self.flag = files, parse, flag
+        self.n_examples = len(files)
+        self.options = tf.data.Options()  # parsing threads within the rank's share of cores
+        self.options.threading.private_threadpool_size = max(
+            1, tf.config.threading.get_intra_op_parallelism_threads()
+        )
+        self._last: tuple[bytes, object] | None = None
+        first = self._parsed(np.arange(1), check=False)
+        if not (isinstance(first, tuple) and len(first) == 2):
+            raise UserError(f"{flag}: the parse function must return (features, label)")
+        self.spec = tf.nest.map_structure(lambda a: tf.TensorSpec(a.shape[1:], a.dtype), first)
+
+    def rows(self, part: list, indices) -> np.ndarray:
+        """One part of the parsed records at `indices` (`part`: its path, e.g. [0, "ids"])."""
+        value = self._parsed(np.asarray(indices, np.int64).reshape(-1))
+        for key in part:
+            value = value[key]
+        return value
+
+    def _parsed(self, indices: np.ndarray, check: bool = True):
+        key = indices.tobytes()
+        if self._last is not None and self._last[0] == key:
+            return self._last[1]
+        value = self._batch(indices)
+        if check:
+            self._check(value, indices)
+        self._last = (key, value)
+        return value
+
+    def _batch(self, indices: np.ndarray):
+        from ringtrain.tensorflow_loader import tf
+
+        records = self.files.read(indices)
+        if not records:
+            return tf.nest.map_structure(lambda s: np.zeros((0, *s.shape), s.dtype), self.spec)
+        try:
+            return self._run(records)
+        except (tf.errors.OpError, ValueError, TypeError) as exc:
+            for record, index in zip(records, indices.tolist(), strict=True):
+                try:
+                    self._run([record])
+                except (tf.errors.OpError, ValueError, TypeError) as bad:
+                    raise UserError(
+                        f"{self.flag}: {self.files.where(index)} does not parse: {_said(bad)}"
+                    ) from None
+            raise UserError(
+                f"{self.flag}: the records at positions {indices[0]}.. do not batch "
+                f"(their shapes differ): {_said(exc)}"
+            ) from None
+
+    def _run(self, records: list[bytes]):
+        from ringtrain.tensorflow_loader import tf
+
+        parsed = (
+            tf.data.Dataset.from_tensor_slices(tf.constant(records, tf.string))
+            .map(self.parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+            .batch(len(records))
+            .with_options(self.options)
+        )
+        return tf.nest.map_structure(np.asarray, parsed.get_single_element())
+
+    def _check(self, value, indices: np.ndarray) -> None:
+        from ringtrain.streamed import parts
+
+        named = [parts({"features": v[0], "label": v[1]}, "") for v in (self.spec, value)]
+        for (path, spec), (_, array) in zip(*named, strict=True):
+            if (
+                tuple(array.shape[1:]) != tuple(spec.shape)
+                or array.dtype != spec.dtype.as_numpy_dtype
+            ):
+                raise UserError(
+                    f"{self.flag}: element part {path} is {array.shape[1:]} "
+                    f"{array.dtype} near {self.files.where(int(indices[0]))}, but "
+                    f"{tuple(spec.shape)} {spec.dtype.name} in the first record; every record "
+                    "must parse to the same shapes and dtypes"
+                )
+
+
+TF_OP_NAMES = re.compile(r"\{\{[^}]*\}\}\s*")
+TF_MAP_PREFIX = re.compile(r"^.*transformation with iterator: [\w:]+: ")
+
+
+def _said(exc: Exception) -> str:
+    """The user's own error inside TensorFlow's message, without the op names around it."""
+    text = getattr(exc, "message", None) or str(exc)
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    if lines[0].startswith("in user code:"):  # a Python error while tracing: its last line
+        return lines[-1]
+    return TF_MAP_PREFIX.sub("", TF_OP_NAMES.sub("", lines[0]))
+
+
+def parsed_records(pattern: str, parse: Callable, flag: str):
+    """The examples in the TFRecord files `pattern` matches, as columns indexed by position,
+    and the record count of each file (what --shuffle reorders)."""
+    from ringtrain.data import Examples
+    from ringtrain.streamed import columns
+
+    records = ParsedRecords(RecordFiles(record_files(pattern, flag), flag), parse, flag)
+    features, labels = records.spec
+    return (
+        Examples(columns(records, features, [0]), columns(records, labels, [1])),
+        records.files.rows,
+    )
