@@ -41,6 +41,9 @@ class Dataset:
 
     keeps_partial_batch = False  # the built-in runs drop an epoch's last partial batch
 
+    def read_ahead(self, positions: np.ndarray) -> None:
+        """Arrays in memory: nothing to read ahead."""
+
     def epoch_order(self, global_batch: int, seed: int, epoch: int, shuffle: bool) -> list:
         return epoch_order(self.n_examples, global_batch, seed, epoch, shuffle, False)
 
@@ -117,13 +120,20 @@ class UserData:
     """Training examples and optional validation examples, for a user's own Keras model.
     `shard_rows`: the rows of each file the training examples are read from (None: arrays in
     memory), which --shuffle then reorders file by file, within windows of `shuffle_buffer`.
-    `in_order`: a tf.data.Dataset's examples, which keep its own order (never shuffled)."""
+    `in_order`: a tf.data.Dataset's examples, which keep its own order (never shuffled).
+    `reader`: what reads the training examples from files, and can read some ahead."""
 
     train: Examples
     validation: Examples | None = None
     shard_rows: list[int] | None = None
     shuffle_buffer: int = 0
     in_order: bool = False
+    reader: Any = None
+
+    def read_ahead(self, positions: np.ndarray) -> None:
+        """Start reading the examples at `positions`, which a coming step will take."""
+        if self.reader is not None:
+            self.reader.read_ahead(positions)
 
     @property
     def n_examples(self) -> int:

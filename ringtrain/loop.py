@@ -27,6 +27,7 @@ class Engine(Protocol):
     def base_learning_rate(self) -> float | None: ...  # None: a compiled schedule rules
     def set_learning_rate(self, lr: float) -> None: ...
     def step(self, global_indices: np.ndarray) -> float: ...
+    def reads(self, global_indices: np.ndarray) -> np.ndarray: ...  # the examples it takes
     def evaluate(self) -> dict[str, float]: ...
     def gather_weights(self) -> dict[str, np.ndarray] | None: ...
     def extra_metrics(self) -> dict: ...
@@ -129,6 +130,7 @@ def run(
     agreeing, clock = isinstance(engine, AgreeingEngine), PhaseClock()
     history: dict[str, list[float]] = {"loss": []}
     held_out, finished, called_off, started = {}, True, False, time.perf_counter()
+    resident_at_start = resident_bytes("VmHWM")  # model built, data opened: before step one
     for step in range(first, total):
         epoch, i = divmod(step, per_epoch)
         if i == 0 or step == first:
@@ -147,6 +149,8 @@ def run(
             lr = learning_rate(cfg, step / per_epoch, dp_size, base)
             engine.set_learning_rate(lr)
         watchdog.kick(f"step {step + 1}")
+        if i + 1 < len(batches) and step + 1 < total:  # read while this step computes
+            data.read_ahead(engine.reads(batches[i + 1]))
         clock.lap("learning_rate", counted)
         if agreeing:
             loss, stopping = engine.step_agreeing(batches[i], bool(stop.requested))
@@ -241,8 +245,9 @@ def run(
     from ringtrain.tensorflow_loader import RESIDENT_AFTER_IMPORT
 
     high = resident_bytes("VmHWM")
-    peak = np.array([high, high - RESIDENT_AFTER_IMPORT], np.int64)
+    peak = np.array([high, high - RESIDENT_AFTER_IMPORT, high - resident_at_start], np.int64)
     world.comm.Allreduce(MPI.IN_PLACE, peak, op=MPI.MAX)
     metrics["peak_resident_bytes"] = int(peak[0])  # the fullest rank's VmHWM
     metrics["peak_resident_above_import_bytes"] = int(peak[1])  # and the most any rank added
+    metrics["peak_resident_above_start_bytes"] = int(peak[2])  # ... while it trained
     return metrics

@@ -19,8 +19,10 @@ import glob
 import os
 import re
 import struct
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
@@ -77,6 +79,7 @@ class RecordFiles:
         self.rows = [len(o) for o in self.offsets]
         self.starts = np.cumsum([0, *self.rows])
         self._open: OrderedDict[int, int] = OrderedDict()
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return int(self.starts[-1])
@@ -99,6 +102,10 @@ class RecordFiles:
         return out
 
     def _descriptor(self, f: int) -> int:
+        with self._lock:  # the read-ahead thread and the step's own reads share the files
+            return self._opened(f)
+
+    def _opened(self, f: int) -> int:
         if f in self._open:
             self._open.move_to_end(f)
             return self._open[f]
@@ -113,7 +120,9 @@ class RecordFiles:
 
 class ParsedRecords:
     """Records parsed by the user's function, a batch of positions at a time. The last batch
-    parsed is kept: a step asks for its features and its labels separately."""
+    parsed is kept: a step asks for its features and its labels separately. The positions a
+    coming step will take are read and parsed ahead, on a thread of their own, while the
+    current step computes (`read_ahead`); a step then takes its rows from them."""
 
     def __init__(self, files: RecordFiles, parse: Callable, flag: str):
         from ringtrain.tensorflow_loader import tf
@@ -125,26 +134,64 @@ class ParsedRecords:
             1, tf.config.threading.get_intra_op_parallelism_threads()
         )
         self._last: tuple[bytes, object] | None = None
+        self._ahead: list[tuple[np.ndarray, Future]] = []  # (sorted positions, their parse)
+        self._reader: ThreadPoolExecutor | None = None
         first = self._parsed(np.arange(1), check=False)
         if not (isinstance(first, tuple) and len(first) == 2):
             raise UserError(f"{flag}: the parse function must return (features, label)")
         self.spec = tf.nest.map_structure(lambda a: tf.TensorSpec(a.shape[1:], a.dtype), first)
 
+    def examples(self):
+        """The records as Examples whose columns are indexed by position like arrays."""
+        from ringtrain.data import Examples
+        from ringtrain.streamed import columns
+
+        features, labels = self.spec
+        return Examples(columns(self, features, [0]), columns(self, labels, [1]))
+
+    def read_ahead(self, positions: np.ndarray) -> None:
+        """Read and parse `positions` in the background; the last two such reads are kept."""
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(1, thread_name_prefix="ringtrain-input")
+        positions = np.unique(np.asarray(positions, np.int64))
+        if len(positions):
+            self._ahead = [
+                *self._ahead[-1:],
+                (positions, self._reader.submit(self._batch_checked, positions)),
+            ]
+
     def rows(self, part: list, indices) -> np.ndarray:
         """One part of the parsed records at `indices` (`part`: its path, e.g. [0, "ids"])."""
-        value = self._parsed(np.asarray(indices, np.int64).reshape(-1))
+        indices = np.asarray(indices, np.int64).reshape(-1)
+        value = self._read_ahead(indices)
+        if value is None:
+            value = self._parsed(indices)
         for key in part:
             value = value[key]
         return value
+
+    def _read_ahead(self, indices: np.ndarray):
+        """The rows at `indices` from a read ahead that holds them all (waiting for it), or
+        None."""
+        for positions, parsed in reversed(self._ahead):
+            at = np.minimum(np.searchsorted(positions, indices), len(positions) - 1)
+            if len(indices) and (positions[at] == indices).all():
+                from ringtrain.tensorflow_loader import tf
+
+                return tf.nest.map_structure(lambda whole, at=at: whole[at], parsed.result())
+        return None
 
     def _parsed(self, indices: np.ndarray, check: bool = True):
         key = indices.tobytes()
         if self._last is not None and self._last[0] == key:
             return self._last[1]
-        value = self._batch(indices)
-        if check:
-            self._check(value, indices)
+        value = self._batch_checked(indices) if check else self._batch(indices)
         self._last = (key, value)
+        return value
+
+    def _batch_checked(self, indices: np.ndarray):
+        value = self._batch(indices)
+        self._check(value, indices)
         return value
 
     def _batch(self, indices: np.ndarray):
@@ -211,15 +258,6 @@ def _said(exc: Exception) -> str:
     return TF_MAP_PREFIX.sub("", TF_OP_NAMES.sub("", lines[0]))
 
 
-def parsed_records(pattern: str, parse: Callable, flag: str):
-    """The examples in the TFRecord files `pattern` matches, as columns indexed by position,
-    and the record count of each file (what --shuffle reorders)."""
-    from ringtrain.data import Examples
-    from ringtrain.streamed import columns
-
-    records = ParsedRecords(RecordFiles(record_files(pattern, flag), flag), parse, flag)
-    features, labels = records.spec
-    return (
-        Examples(columns(records, features, [0]), columns(records, labels, [1])),
-        records.files.rows,
-    )
+def parsed_records(pattern: str, parse: Callable, flag: str) -> ParsedRecords:
+    """The TFRecord files `pattern` matches, parsed by `parse`."""
+    return ParsedRecords(RecordFiles(record_files(pattern, flag), flag), parse, flag)

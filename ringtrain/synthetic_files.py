@@ -21,7 +21,7 @@ from ringtrain.config import positive_whole_number
 from ringtrain.errors import UserError
 
 CHUNK = 512  # examples generated at a time
-NOISE = 48.0
+NOISE = 64  # uniform, on 0..255 pixel values
 
 
 def parse_image(serialized):
@@ -44,7 +44,7 @@ def parse_image(serialized):
 def examples(n: int, shape: tuple[int, ...], classes: int, seed: int, first: int = 0):
     """Examples [first, first + n) of the set (image uint8, label int64), drawn per chunk from
     (seed, chunk) alone, so any part is made without the rest."""
-    patterns = np.random.default_rng([seed, 7]).uniform(0, 255, size=(classes, *shape))
+    patterns = np.random.default_rng([seed, 7]).integers(0, 256, (classes, *shape), np.int16)
     images = np.empty((n, *shape), np.uint8)
     labels = np.empty(n, np.int64)
     at = first
@@ -52,7 +52,7 @@ def examples(n: int, shape: tuple[int, ...], classes: int, seed: int, first: int
         chunk = at // CHUNK
         rng = np.random.default_rng([seed, 11, chunk])
         y = rng.integers(0, classes, size=CHUNK)
-        x = patterns[y] + rng.normal(scale=NOISE, size=(CHUNK, *shape))
+        x = patterns[y] + rng.integers(-NOISE, NOISE + 1, (CHUNK, *shape), np.int16)
         lo, hi = at - chunk * CHUNK, min(CHUNK, first + n - chunk * CHUNK)
         images[at - first : at - first + hi - lo] = np.clip(x[lo:hi], 0, 255).astype(np.uint8)
         labels[at - first : at - first + hi - lo] = y[lo:hi]

@@ -271,6 +271,51 @@ def test_a_rank_holds_a_few_shards_not_the_dataset(tmp_path):
     assert reported["input_wait_s"] > 0 and 0 < reported["input_wait_fraction"] < 1
 
 
+MEMORY_BUDGET = 128 * 2**20  # what a rank may add while it trains, whatever the set's size
+
+
+@pytest.mark.mpi
+def test_a_rank_streams_a_tfrecord_set_larger_than_its_memory_budget(tmp_path):
+    """An epoch over 540 MB of TFRecord files made by make-synthetic, shuffled, on 2 ranks: the
+    fullest rank's VmHWM grows by less than MEMORY_BUDGET once training starts, a quarter of
+    the set (it holds a batch and the one read ahead, not the files)."""
+    folder = tmp_path / "images"
+    made = run(
+        [
+            *[str(BIN / "ringtrain"), "data", "make-synthetic", str(folder)],
+            *["--examples", "11000", "--shape", "128,128,3", "--shards", "8"],
+        ],
+        timeout=300,
+    )
+    assert made.returncode == 0, made.stderr
+    size = sum(f.stat().st_size for f in folder.iterdir())
+    assert size >= 512 * 2**20
+    model = tmp_path / "pooled.py"
+    model.write_text(
+        "import keras\n\n"
+        "def build():\n"
+        "    model = keras.Sequential([keras.Input((128, 128, 3)), keras.layers.Rescaling(1 / 255),"
+        " keras.layers.AveragePooling2D(8), keras.layers.Flatten(), keras.layers.Dense(10)])\n"
+        "    model.compile(optimizer='sgd', loss=keras.losses.SparseCategoricalCrossentropy("
+        "from_logits=True))\n"
+        "    return model\n"
+    )
+    metrics = tmp_path / "metrics.json"
+    done = run(
+        [
+            *["mpirun", "--oversubscribe", "-np", "2", str(BIN / "ringtrain"), "train"],
+            *["--model", f"{model}:build", "--data-files", str(folder / "*.tfrecord")],
+            *["--data", "ringtrain.synthetic_files:parse_image", "--batch-size", "100"],
+            *["--epochs", "1", "--shuffle-buffer", "1000", "--metrics-out", str(metrics)],
+        ],
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    reported = json.loads(metrics.read_text())
+    assert reported["steps"] == 110
+    assert reported["peak_resident_above_start_bytes"] < MEMORY_BUDGET, reported
+
+
 BAD_FILES = {  # name -> (the files written, the flag's pattern, what the line says)
     "none": ({}, "*.npy", "matches no file"),
     "misnamed": ({"a.npy": np.zeros((2, 3))}, "*.npy", "is not named x-NNNNN.npy"),
@@ -346,13 +391,20 @@ def test_tfrecord_files_read_by_position_as_the_arrays_would(tmp_path):
     x = rng.normal(size=(230, 5)).astype(np.float32)
     y = rng.integers(0, 7, size=230)
     sizes = [40, 1, 89, 30, 20, 50]
-    examples, rows = parsed_records(write_records(tmp_path, x, y, sizes), _parse_pair, "--f")
-    assert rows == sizes and len(examples) == 230 and examples.x.shape == (230, 5)
+    records = parsed_records(write_records(tmp_path, x, y, sizes), _parse_pair, "--f")
+    examples = records.examples()
+    assert records.files.rows == sizes and len(examples) == 230 and examples.x.shape == (230, 5)
     for indices in (rng.permutation(230)[:64], np.arange(35, 135), np.array([229, 0, 40])):
         features, labels = examples.take(indices)
         np.testing.assert_array_equal(features, x[indices])
         np.testing.assert_array_equal(labels, y[indices])
-    assert len(examples.x.window.files._open) <= OPEN_FILES
+    assert len(records.files._open) <= OPEN_FILES
+    ahead = np.array([200, 3, 77, 150, 41])  # read ahead, then taken in parts, in any order
+    records.read_ahead(ahead)
+    for indices in (ahead[[2, 0]], ahead[[4]], ahead):
+        features, labels = examples.take(indices)
+        np.testing.assert_array_equal(features, x[indices])
+        np.testing.assert_array_equal(labels, y[indices])
 
 
 def test_bad_tfrecord_files_are_named_in_one_line(tmp_path):
@@ -368,7 +420,7 @@ def test_bad_tfrecord_files_are_named_in_one_line(tmp_path):
 
     def refused(pattern: str, parse, needle: str, read=None) -> None:
         with pytest.raises(UserError) as said:
-            examples = parsed_records(pattern, parse, "--data-files")[0]
+            examples = parsed_records(pattern, parse, "--data-files").examples()
             examples.take(np.arange(12) if read is None else read)
         assert needle in str(said.value), str(said.value)
 
@@ -421,10 +473,10 @@ def test_make_synthetic_writes_the_same_examples_as_tfrecord_and_npy(tmp_path):
                     "--format", fmt, *flags])  # fmt: skip
         assert done.returncode == 0, done.stderr
         assert "--data-files" in done.stdout.splitlines()[-1]
-    records, rows = parsed_records(str(tmp_path / "tfrecord" / "*"), parse_image, "--f")
+    records = parsed_records(str(tmp_path / "tfrecord" / "*"), parse_image, "--f")
     x, y = npy_shards(str(tmp_path / "npy" / "*.npy"), "--f")
-    assert rows == x.rows == [234, 233, 233]
-    images, labels = records.take(np.arange(700))
+    assert records.files.rows == x.rows == [234, 233, 233]
+    images, labels = records.examples().take(np.arange(700))
     assert images.dtype == np.uint8 and images.shape == (700, 5, 4, 3)
     np.testing.assert_array_equal(images, x[np.arange(700)])
     np.testing.assert_array_equal(labels, y[np.arange(700)])

@@ -104,9 +104,12 @@ class DataParallelEngine(WholeModelReplica):
     def step(self, global_indices: np.ndarray) -> float:
         return self.step_agreeing(global_indices, False)[0]
 
+    def reads(self, global_indices: np.ndarray) -> np.ndarray:
+        return uneven_shard(global_indices, self.world.rank, self.world.size)
+
     def _slices(self, global_indices: np.ndarray) -> tuple:
         """This rank's share of the global batch, as (x, y, share) per accumulation slice."""
-        local = uneven_shard(global_indices, self.world.rank, self.world.size)
+        local = self.reads(global_indices)
         slices = []
         for part in np.array_split(local, self.cfg.accumulate):
             if len(part):  # a partial batch may leave a slice empty

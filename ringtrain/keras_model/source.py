@@ -164,24 +164,26 @@ def check_file_flags(args: argparse.Namespace, dataset: str) -> None:
 
 
 def _files(pattern: str | None, flag: str, parse: str | None):
-    """(examples, records per file) of the .npy or TFRecord shards `pattern` matches."""
+    """(examples, records per file, their reader or None) of the .npy or TFRecord shards
+    `pattern` matches."""
     from ringtrain.data import Examples
     from ringtrain.records import parsed_records, record_files
     from ringtrain.shards import npy_shards
 
     if pattern is None:
-        return None, None
+        return None, None, None
     if all(path.endswith(".npy") for path in record_files(pattern, flag)):
         if parse is not None:
             raise UserError(f"{flag} {pattern} names .npy shards, which need no --data parser")
         x, y = npy_shards(pattern, flag)
-        return Examples(x, y), x.rows
+        return Examples(x, y), x.rows, None
     if parse is None:
         raise UserError(
             f"{flag} {pattern}: TFRecord files need --data PATH.py:FUNCTION, the function "
             "that parses one record into (features, label)"
         )
-    return parsed_records(pattern, load_function("--data", parse), flag)
+    records = parsed_records(pattern, load_function("--data", parse), flag)
+    return records.examples(), records.files.rows, records
 
 
 def load_user_data(
@@ -196,9 +198,9 @@ def load_user_data(
 
     check_paths(cfg)
     if data_files:
-        train, rows = _files(data_files, "--data-files", target)
+        train, rows, reader = _files(data_files, "--data-files", target)
         held_out = _files(validation_files, "--validation-files", target)[0]
-        return UserData(train, held_out, rows, cfg.shuffle_buffer)
+        return UserData(train, held_out, rows, cfg.shuffle_buffer, reader=reader)
     if target is None:
         found = load_dataset(cfg.dataset, cfg.seed, cfg.synthetic_size, cfg.synthetic_shape)
         return UserData(Examples(found.x, found.y), Examples(found.x_test, found.y_test))

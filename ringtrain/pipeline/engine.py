@@ -263,6 +263,12 @@ class PipelineEngine(Checkpointable):
     def set_learning_rate(self, lr: float) -> None:
         self._lr.set(lr)
 
+    def reads(self, global_indices: np.ndarray) -> np.ndarray:
+        """The replica's share, where this rank holds its first or last stage."""
+        if not any(s.first or s.last for s in self.local_stages.values()):
+            return global_indices[:0]
+        return uneven_shard(global_indices, self.dp_rank, self.dp_size)
+
     def step(self, global_indices: np.ndarray) -> float:
         mine = uneven_shard(global_indices, self.dp_rank, self.dp_size)
         micro = self.cfg.microbatches
