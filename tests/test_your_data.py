@@ -237,6 +237,30 @@ def test_an_epoch_line_shows_the_input_wait_above_a_tenth_of_its_steps():
     assert epoch_line(0.5, {}, 0.25) == {"loss": 0.5, "input wait": 0.25}
 
 
+def train_a_layer_model(tmp_path, layers: str, *flags: str) -> dict:
+    """`ringtrain train` on 2 ranks of a Sequential of `layers` (Python source) under SGD,
+    with `flags`; its --metrics-out."""
+    model = tmp_path / "layers.py"
+    model.write_text(
+        "import keras\n\n"
+        "def build():\n"
+        f"    model = keras.Sequential([{layers}])\n"
+        "    model.compile(optimizer='sgd', loss=keras.losses.SparseCategoricalCrossentropy("
+        "from_logits=True))\n"
+        "    return model\n"
+    )
+    metrics = tmp_path / "metrics.json"
+    done = run(
+        [
+            *["mpirun", "--oversubscribe", "-np", "2", str(BIN / "ringtrain"), "train"],
+            *["--model", f"{model}:build", *flags, "--metrics-out", str(metrics)],
+        ],
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return json.loads(metrics.read_text())
+
+
 @pytest.mark.mpi
 def test_a_rank_holds_a_few_shards_not_the_dataset(tmp_path):
     """Shuffled epochs over 320 MB of shards: the fullest rank's resident memory grows by less
@@ -246,26 +270,12 @@ def test_a_rank_holds_a_few_shards_not_the_dataset(tmp_path):
     y = (x[:, 0] > 0).astype(np.int32)
     files = write_shards(tmp_path / "big", x, y, [rows // shards] * shards)
     del x
-    model = tmp_path / "wide.py"
-    model.write_text(
-        "import keras\n\n"
-        "def build():\n"
-        f"    model = keras.Sequential([keras.Input(({features},)), keras.layers.Dense(2)])\n"
-        "    model.compile(optimizer='sgd', loss=keras.losses.SparseCategoricalCrossentropy("
-        "from_logits=True))\n"
-        "    return model\n"
+    reported = train_a_layer_model(
+        tmp_path,
+        f"keras.Input(({features},)), keras.layers.Dense(2)",
+        *["--data-files", files, "--batch-size", "1000", "--epochs", "2"],
+        *["--shuffle-buffer", "2000"],
     )
-    metrics = tmp_path / "metrics.json"
-    done = run(
-        [
-            *["mpirun", "--oversubscribe", "-np", "2", str(BIN / "ringtrain"), "train"],
-            *["--model", f"{model}:build", "--data-files", files, "--batch-size", "1000"],
-            *["--epochs", "2", "--shuffle-buffer", "2000", "--metrics-out", str(metrics)],
-        ],
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    reported = json.loads(metrics.read_text())
     grown = reported["peak_resident_above_import_bytes"]
     assert grown < rows * features * 4 / 2, grown
     assert reported["input_wait_s"] > 0 and 0 < reported["input_wait_fraction"] < 1
@@ -290,28 +300,13 @@ def test_a_rank_streams_a_tfrecord_set_larger_than_its_memory_budget(tmp_path):
     assert made.returncode == 0, made.stderr
     size = sum(f.stat().st_size for f in folder.iterdir())
     assert size >= 512 * 2**20
-    model = tmp_path / "pooled.py"
-    model.write_text(
-        "import keras\n\n"
-        "def build():\n"
-        "    model = keras.Sequential([keras.Input((128, 128, 3)), keras.layers.Rescaling(1 / 255),"
-        " keras.layers.AveragePooling2D(8), keras.layers.Flatten(), keras.layers.Dense(10)])\n"
-        "    model.compile(optimizer='sgd', loss=keras.losses.SparseCategoricalCrossentropy("
-        "from_logits=True))\n"
-        "    return model\n"
+    reported = train_a_layer_model(
+        tmp_path,
+        "keras.Input((128, 128, 3)), keras.layers.Rescaling(1 / 255), "
+        "keras.layers.AveragePooling2D(8), keras.layers.Flatten(), keras.layers.Dense(10)",
+        *["--data-files", str(folder / "*.tfrecord"), "--batch-size", "100", "--epochs", "1"],
+        *["--data", "ringtrain.synthetic_files:parse_image", "--shuffle-buffer", "1000"],
     )
-    metrics = tmp_path / "metrics.json"
-    done = run(
-        [
-            *["mpirun", "--oversubscribe", "-np", "2", str(BIN / "ringtrain"), "train"],
-            *["--model", f"{model}:build", "--data-files", str(folder / "*.tfrecord")],
-            *["--data", "ringtrain.synthetic_files:parse_image", "--batch-size", "100"],
-            *["--epochs", "1", "--shuffle-buffer", "1000", "--metrics-out", str(metrics)],
-        ],
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    reported = json.loads(metrics.read_text())
     assert reported["steps"] == 110
     assert reported["peak_resident_above_start_bytes"] < MEMORY_BUDGET, reported
 
