@@ -86,6 +86,13 @@ def train(
             train_on = _fitted(model, data, cfg)
         else:
             make = engine_for(model, data, cfg, me.world_size)
+        readers = (
+            me.world_size // pp_size_of(cfg, me.world_size) if runs_stages(cfg) else me.world_size
+        )
+        if data.choose_policy(cfg.shard_policy, readers) == "file" and me.rank == 0:
+            log.info(
+                f"--shard-policy file: {len(data.shard_rows)} files dealt to {readers} readers"
+            )
     hooks = None
     if callbacks:
         hooks = EpochCallbacks(callbacks, model, me.rank, -(-total // per_epoch), per_epoch)

@@ -170,6 +170,10 @@ def flag_identity(cfg) -> dict:
         "batch_size": cfg.batch_size,
         "seed": cfg.seed,
         "dataset": cfg.dataset,
+        # what orders the examples: a resumed run must read on from where this one was
+        "shuffle": cfg.shuffle,
+        "shuffle_buffer": cfg.shuffle_buffer,
+        "shard_policy": cfg.shard_policy,
     }
 
 

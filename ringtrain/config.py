@@ -25,6 +25,7 @@ STRATEGIES = ("single", "data", "model", "pipeline", "hybrid")
 MODELS = ("mlp", "cnn", "transformer")
 OPTIMIZERS = ("sgd", "adam")
 LOOPS = ("custom", "fit")
+SHARD_POLICIES = ("data", "file", "auto")
 SCHEDULE_KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1")
 PARTITIONS = ("uniform", "params", "time")
 PROGRESS = ("auto", "bar", "lines", "none")
@@ -178,6 +179,16 @@ class TrainConfig:
             "with --data-files, --shuffle draws the files' order, then permutes the rows "
             "within windows of this many",
             bound=at_least(1),
+        ),
+    )
+    shard_policy: str = field(
+        default="data",
+        metadata=flag(
+            "how the data-parallel replicas share the examples, named as TF's "
+            "AutoShardPolicy: data (each takes its share of every global batch: the same "
+            "batches under every strategy and rank count), file (each reads its own "
+            "--data-files), auto (file when there are at least as many files as replicas)",
+            choices=SHARD_POLICIES,
         ),
     )
     loop: str = field(default="custom", metadata=flag("one of {choices}", choices=LOOPS))

@@ -44,6 +44,9 @@ class Dataset:
     def read_ahead(self, positions: np.ndarray) -> None:
         """Arrays in memory: nothing to read ahead."""
 
+    def choose_policy(self, asked: str, readers: int) -> str:
+        return data_policy(asked, "a --dataset")
+
     def epoch_order(self, global_batch: int, seed: int, epoch: int, shuffle: bool) -> list:
         return epoch_order(self.n_examples, global_batch, seed, epoch, shuffle, False)
 
@@ -129,11 +132,31 @@ class UserData:
     shuffle_buffer: int = 0
     in_order: bool = False
     reader: Any = None
+    policy: str = "data"  # --shard-policy as chosen for this run's readers
+    readers: int = 1
 
     def read_ahead(self, positions: np.ndarray) -> None:
         """Start reading the examples at `positions`, which a coming step will take."""
         if self.reader is not None:
             self.reader.read_ahead(positions)
+
+    def choose_policy(self, asked: str, readers: int) -> str:
+        """--shard-policy for `readers` replicas that read: `auto` is `file` when there are
+        files, at least one per reader (as TF's AutoShardPolicy.AUTO), else `data`."""
+        files = len(self.shard_rows or [])
+        if asked == "auto":
+            asked = "file" if self.shard_rows and files >= readers else "data"
+        if asked != "file":
+            return data_policy(asked, "a tf.data.Dataset" if self.in_order else "arrays")
+        if not self.shard_rows:
+            raise UserError("--shard-policy file needs --data-files: it deals files to readers")
+        if files < readers:
+            raise UserError(
+                f"--shard-policy file: {files} file(s) for {readers} readers (data-parallel "
+                "replicas); give at least one file per reader, or --shard-policy data"
+            )
+        self.policy, self.readers = "file", readers
+        return "file"
 
     @property
     def n_examples(self) -> int:
@@ -143,6 +166,12 @@ class UserData:
 
     def epoch_order(self, global_batch: int, seed: int, epoch: int, shuffle: bool) -> list:
         shuffle = shuffle and not self.in_order
+        if self.policy == "file":
+            from ringtrain.shards import reader_streams
+
+            buffer, readers = self.shuffle_buffer, self.readers
+            streams = reader_streams(self.shard_rows, readers, seed, epoch, buffer, shuffle)
+            return readers_batches(streams, -(-self.n_examples // global_batch))
         if self.shard_rows is None or not shuffle:
             return epoch_order(self.n_examples, global_batch, seed, epoch, shuffle, True)
         from ringtrain.shards import shard_order
@@ -284,6 +313,43 @@ def step_plan(
     return total, per_epoch
 
 
+def data_policy(asked: str, source: str) -> str:
+    """`data` (or `auto`, which means it here): every reader takes its share of each global
+    batch, the same examples under every strategy and rank count."""
+    if asked in ("auto", "data"):
+        return "data"
+    if asked == "file":
+        raise UserError(f"--shard-policy file needs --data-files; {source} is sharded by data")
+    raise UserError(f"--shard-policy {asked} is not one of auto, file, data")
+
+
+class ReadersBatch(np.ndarray):
+    """A global batch of readers' own shares (--shard-policy file): reader r's examples are
+    [bounds[r], bounds[r + 1]), from its own files, and their counts may differ by one."""
+
+    bounds: tuple[int, ...] = ()
+
+
+def readers_batches(streams: list[np.ndarray], steps: int) -> list[np.ndarray]:
+    """An epoch of `steps` global batches, each reader's stream cut into `steps` consecutive
+    parts: every row once, every share non-empty (a stream shorter than `steps` is refused)."""
+    short = [r for r, s in enumerate(streams) if len(s) < steps]
+    if short:
+        raise UserError(
+            f"--shard-policy file: reader {short[0]}'s files hold {len(streams[short[0]])} "
+            f"examples, fewer than the {steps} steps of an epoch; balance the files or use "
+            "--shard-policy data"
+        )
+    parts = [np.array_split(stream, steps) for stream in streams]
+    batches = []
+    for t in range(steps):
+        shares = [p[t] for p in parts]
+        batch = np.concatenate(shares).view(ReadersBatch)
+        batch.bounds = tuple(int(b) for b in np.cumsum([0, *map(len, shares)]))
+        batches.append(batch)
+    return batches
+
+
 def shard(indices: np.ndarray, part: int, parts: int) -> np.ndarray:
     """The part-th contiguous slice of a batch: ranks, replicas and microbatches all use it."""
     size = len(indices) // parts
@@ -292,5 +358,9 @@ def shard(indices: np.ndarray, part: int, parts: int) -> np.ndarray:
 
 def uneven_shard(indices: np.ndarray, part: int, parts: int) -> np.ndarray:
     """The part-th contiguous slice, every example in one: a partial batch of n leaves the
-    first n mod parts slices one longer (some may be empty)."""
-    return np.array_split(indices, parts)[part]
+    first n mod parts slices one longer (some may be empty). A ReadersBatch is cut where its
+    readers' shares meet."""
+    bounds = getattr(indices, "bounds", ())
+    if len(bounds) == parts + 1:
+        return np.asarray(indices)[bounds[part] : bounds[part + 1]]
+    return np.array_split(np.asarray(indices), parts)[part]

@@ -119,9 +119,33 @@ def shard_order(rows: Sequence[int], seed: int, epoch: int, buffer: int) -> np.n
     """An epoch's order of the rows of shards holding `rows` each: the shards in an order
     drawn from (seed, epoch), then the rows permuted within consecutive windows of `buffer`."""
     rng = np.random.default_rng([seed, epoch])
-    offsets = np.cumsum([0, *rows])
     files = rng.permutation(len(rows))
-    order = np.concatenate([np.arange(offsets[f], offsets[f + 1]) for f in files])
+    return _windows_shuffled(_rows_of(rows, files), rng, buffer)
+
+
+def _rows_of(rows: Sequence[int], files) -> np.ndarray:
+    offsets = np.cumsum([0, *rows])
+    return np.concatenate([np.arange(offsets[f], offsets[f + 1]) for f in files])
+
+
+def _windows_shuffled(order: np.ndarray, rng, buffer: int) -> np.ndarray:
     for start in range(0, len(order), buffer):
         order[start : start + buffer] = rng.permutation(order[start : start + buffer])
     return order
+
+
+def reader_streams(
+    rows: Sequence[int], readers: int, seed: int, epoch: int, buffer: int, shuffle: bool
+) -> list[np.ndarray]:
+    """--shard-policy file: each reader's own files and the order it reads their rows in. The
+    files, in name order or in one drawn from (seed, epoch), are dealt round-robin; a reader's
+    rows are then permuted within windows of `buffer` (from seed, epoch and reader)."""
+    files = np.random.default_rng([seed, epoch]).permutation(len(rows)) if shuffle else None
+    files = np.arange(len(rows)) if files is None else files
+    streams = []
+    for reader in range(readers):
+        order = _rows_of(rows, files[reader::readers])
+        if shuffle:
+            order = _windows_shuffled(order, np.random.default_rng([seed, epoch, reader]), buffer)
+        streams.append(order)
+    return streams

@@ -15,6 +15,7 @@ from conftest import BIN, ROOT, run
 from reference import keras_fit_updates, saved_model_updates
 from test_bad_input import said_once, train_under_mpirun
 
+from ringtrain.data import Examples
 from ringtrain.errors import EXIT_USAGE, UserError
 from ringtrain.shards import OPEN_SHARDS, npy_shards, shard_order
 
@@ -478,3 +479,75 @@ def test_make_synthetic_writes_the_same_examples_as_tfrecord_and_npy(tmp_path):
     assert set(labels) == {0, 1, 2, 3}
     again = run([str(BIN / "ringtrain"), "data", "make-synthetic", str(tmp_path / "npy"), *flags])
     said_once(again, EXIT_USAGE, "already holds shards (x-00000.npy)", "data make-synthetic")
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_file_sharding_deals_each_reader_its_own_files_and_every_record_once(shuffle):
+    """--shard-policy file on 2 readers: across an epoch the shares every reader took are the
+    dataset, each record once, each reader's from its own files only, none empty; `auto` picks
+    it with at least as many files as readers, as TF's AutoShardPolicy does."""
+    from ringtrain.data import UserData, uneven_shard
+
+    rows, readers, batch = [100, 130, 70, 50, 90], 2, 64
+    offsets = np.cumsum([0, *rows])
+    data = UserData(Examples(np.zeros((440, 1)), np.zeros(440)), None, rows, shuffle_buffer=40)
+    assert data.choose_policy("auto", 6) == "data" and data.policy == "data"
+    assert data.choose_policy("auto", readers) == "file" and data.readers == readers
+    for epoch in (0, 1):
+        batches = data.epoch_order(batch, SEED, epoch, shuffle)
+        assert len(batches) == 7  # ceil(440 / 64), as with data sharding
+        read = [np.concatenate([uneven_shard(b, r, readers) for b in batches]) for r in (0, 1)]
+        assert all(len(uneven_shard(b, r, readers)) for b in batches for r in (0, 1))
+        assert sorted(np.concatenate(read)) == list(range(440))
+        files = [set(np.searchsorted(offsets, mine, side="right") - 1) for mine in read]
+        assert not files[0] & files[1] and files[0] | files[1] == set(range(5))
+
+
+def test_file_sharding_is_refused_where_it_cannot_deal_files():
+    from ringtrain.data import UserData
+
+    arrays = UserData(Examples(np.zeros((40, 1)), np.zeros(40)))
+    with pytest.raises(UserError, match="--shard-policy file needs --data-files"):
+        arrays.choose_policy("file", 2)
+    few = UserData(Examples(np.zeros((40, 1)), np.zeros(40)), None, [20, 20])
+    with pytest.raises(UserError, match="2 file\\(s\\) for 3 readers"):
+        few.choose_policy("file", 3)
+    assert few.choose_policy("auto", 3) == "data"
+
+
+@pytest.mark.mpi
+def test_the_cli_trains_each_rank_on_its_own_files(digits_shards, datasets):
+    train, held_out = digits_shards[0]["tfrecord"]
+    done = train_under_mpirun(
+        *["--model", f"{USER_MODELS}:residual_cnn", "--data-files", train],
+        *["--validation-files", held_out, "--data", f"{datasets}:parse_digit"],
+        *["--shard-policy", "file", "--epochs", "2", "--batch-size", str(BATCH)],
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "--shard-policy file: 3 files dealt to 2 readers" in done.stdout
+
+
+@pytest.mark.mpi
+def test_tfrecord_input_stopped_mid_epoch_resumes_on_one_rank_to_the_unbroken_weights(
+    digits_shards, datasets, tmp_path
+):
+    """Shuffled TFRecord input, 2 epochs: stopped in the second epoch on 2 ranks, resumed on 1,
+    the same weights as one unbroken process: the input position is the step, whatever the
+    rank count. A resume that would read another order (--shuffle-buffer) is refused."""
+    train, _ = digits_shards[0]["tfrecord"]
+    flags = ["--model", f"{USER_MODELS}:residual_cnn", "--data-files", train]
+    flags += ["--data", f"{datasets}:parse_digit", "--shuffle-buffer", "50", "--epochs", "2"]
+    flags += ["--batch-size", str(BATCH), "--checkpoint-dir"]
+    whole, resumed = tmp_path / "whole.npz", tmp_path / "resumed.npz"
+    ringtrain = [str(BIN / "ringtrain"), "train", *flags]
+    done = run([*ringtrain, str(tmp_path / "a"), "--weights-out", str(whole)], timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    stopped = train_under_mpirun(*flags, str(tmp_path / "b"), "--stop-after", "7")
+    assert stopped.returncode == 75, stopped.stderr[-2000:]
+    other = run([*ringtrain, str(tmp_path / "b"), "--resume", "--shuffle-buffer", "60"])
+    said_once(other, EXIT_USAGE, "shuffle_buffer is 50 there and 60 here")
+    done = run([*ringtrain, str(tmp_path / "b"), "--resume", "--weights-out", str(resumed)])
+    assert done.returncode == 0 and "resumed from" in done.stdout, done.stderr[-2000:]
+    a, b = np.load(whole), np.load(resumed)
+    assert sorted(a.files) == sorted(b.files)
+    assert max(float(np.max(np.abs(a[k] - b[k]))) for k in a.files) < 1e-5

@@ -152,6 +152,8 @@ def check_file_flags(args: argparse.Namespace, dataset: str) -> None:
     if args.validation_files and not args.data_files:
         raise UserError("--validation-files goes with --data-files")
     if not args.data_files:
+        if args.shard_policy == "file":
+            raise UserError("--shard-policy file needs --data-files: it deals files to readers")
         return
     if not is_model_function(args.model):
         raise UserError("--data-files needs --model PATH.py:FUNCTION, your own model")
