@@ -196,6 +196,35 @@ def test_files_and_datasets_train_as_keras_fit_on_the_same_examples(
     assert reported["input_wait_s"] > 0 and 0 < reported["input_wait_fraction"] < 1
 
 
+@pytest.mark.mpi
+def test_tfrecord_input_under_hybrid_with_nesterov_sgd_updates_as_keras_fit_does(
+    digits_shards, datasets, tmp_path
+):
+    """A 2x2 grid (2 replicas of 2 stages, 1F1B, M=4) reading TFRecord files: each replica's
+    first stage reads its features and its last stage its labels; SGD with Nesterov momentum
+    updates within
+    the bound of Keras's fit on the same examples."""
+    sys.path.insert(0, str(USER_MODELS.parent))
+    import user_models
+
+    (x, y), _ = user_models.digits_split()
+    reference = keras_fit_updates(
+        user_models.residual_cnn, x, y, BATCH, STEPS, seed=SEED, optimizer="nesterov"
+    )
+    train, _ = digits_shards[0]["tfrecord"]
+    saved = tmp_path / "trained.keras"
+    done = train_under_mpirun(
+        *["--model", f"{USER_MODELS}:residual_cnn", "--model-arg", "optimizer='nesterov'"],
+        *["--data-files", train, "--data", f"{datasets}:parse_digit", "--no-shuffle"],
+        *["--batch-size", str(BATCH), "--steps", str(STEPS), "--seed", str(SEED)],
+        *["--strategy", "hybrid", "--pp-size", "2", *PIPELINE[2:], "--save", str(saved)],
+        ranks=4,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    comparison = saved_model_updates(saved, reference)
+    assert comparison.ok, comparison.describe()
+
+
 def test_a_dataset_is_read_a_global_batch_at_a_time_in_its_own_order():
     """Positions read as the arrays' rows would be: within a global batch, from the next one,
     back at the start (a new epoch), ahead by many (a resume), across several (--loop fit);
