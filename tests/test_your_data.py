@@ -202,8 +202,7 @@ def test_tfrecord_input_under_hybrid_with_nesterov_sgd_updates_as_keras_fit_does
 ):
     """A 2x2 grid (2 replicas of 2 stages, 1F1B, M=4) reading TFRecord files: each replica's
     first stage reads its features and its last stage its labels; SGD with Nesterov momentum
-    updates within
-    the bound of Keras's fit on the same examples."""
+    updates within the bound of Keras's fit on the same examples."""
     sys.path.insert(0, str(USER_MODELS.parent))
     import user_models
 
