@@ -89,6 +89,8 @@ def train(
         readers = (
             me.world_size // pp_size_of(cfg, me.world_size) if runs_stages(cfg) else me.world_size
         )
+        if cfg.shard_policy == "off" and (runs_stages(cfg) or cfg.strategy == "single"):
+            raise UserError("--shard-policy off goes with --strategy data: a rank, a replica")
         if data.choose_policy(cfg.shard_policy, readers) == "file" and me.rank == 0:
             log.info(
                 f"--shard-policy file: {len(data.shard_rows)} files dealt to {readers} readers"
@@ -125,17 +127,22 @@ def _fitted(model, data: UserData, cfg: TrainConfig):
 
 def _read_alike(data, cfg: TrainConfig, train_on):
     """A tf.data.Dataset must give every rank the same examples in the same order (no
-    unseeded shuffle): its first global batch is compared across the ranks before training."""
+    unseeded shuffle): its first global batch is compared across the ranks before training.
+    Under --shard-policy off each rank's is its own: the ranks learn each other's lengths."""
     if not getattr(data, "in_order", False):
         return train_on
 
     def run(world: runtime.World, watchdog: Watchdog):
         if world.size > 1:
             from ringtrain.comm import Link
-            from ringtrain.streamed import check_same_order
+            from ringtrain.streamed import check_same_order, shared_lengths
 
             wait = Link(world.comm, cfg.comm_timeout).wait
-            check_same_order(world.comm, wait, data.train, cfg.batch_size, "the training data")
+            if data.policy == "off":
+                data.stream_lengths = shared_lengths(world.comm, wait, len(data.train))
+            else:
+                flag = "the training data"
+                check_same_order(world.comm, wait, data.train, cfg.batch_size, flag)
         return train_on(world, watchdog)
 
     return run

@@ -25,7 +25,7 @@ STRATEGIES = ("single", "data", "model", "pipeline", "hybrid")
 MODELS = ("mlp", "cnn", "transformer")
 OPTIMIZERS = ("sgd", "adam")
 LOOPS = ("custom", "fit")
-SHARD_POLICIES = ("data", "file", "auto")
+SHARD_POLICIES = ("data", "file", "auto", "off")
 SCHEDULE_KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1")
 PARTITIONS = ("uniform", "params", "time")
 PROGRESS = ("auto", "bar", "lines", "none")
@@ -187,7 +187,9 @@ class TrainConfig:
             "how the data-parallel replicas share the examples, named as TF's "
             "AutoShardPolicy: data (each takes its share of every global batch: the same "
             "batches under every strategy and rank count), file (each reads its own "
-            "--data-files), auto (file when there are at least as many files as replicas)",
+            "--data-files), auto (file when there are at least as many files as replicas), "
+            "off (each rank's --data Dataset is its own share, as after dataset.shard(size, "
+            "rank); --strategy data)",
             choices=SHARD_POLICIES,
         ),
     )

@@ -134,6 +134,7 @@ class UserData:
     reader: Any = None
     policy: str = "data"  # --shard-policy as chosen for this run's readers
     readers: int = 1
+    stream_lengths: list[int] | None = None  # `off`: every rank's own Dataset's length
 
     def read_ahead(self, positions: np.ndarray) -> None:
         """Start reading the examples at `positions`, which a coming step will take."""
@@ -144,6 +145,14 @@ class UserData:
         """--shard-policy for `readers` replicas that read: `auto` is `file` when there are
         files, at least one per reader (as TF's AutoShardPolicy.AUTO), else `data`."""
         files = len(self.shard_rows or [])
+        if asked == "off":
+            if not self.in_order:
+                raise UserError(
+                    "--shard-policy off is for a tf.data.Dataset that shards itself by rank "
+                    "(dataset.shard(size, rank)); files and arrays are sharded by data or file"
+                )
+            self.policy, self.readers = "off", readers
+            return "off"
         if asked == "auto":
             asked = "file" if self.shard_rows and files >= readers else "data"
         if asked != "file":
@@ -160,18 +169,23 @@ class UserData:
 
     @property
     def n_examples(self) -> int:
-        return len(self.train)
+        """The examples an epoch takes: under `off`, every rank's own Dataset's."""
+        return sum(self.stream_lengths) if self.stream_lengths else len(self.train)
 
     keeps_partial_batch = True  # as Keras's fit: an epoch is ceil(N / B) steps
 
     def epoch_order(self, global_batch: int, seed: int, epoch: int, shuffle: bool) -> list:
         shuffle = shuffle and not self.in_order
+        steps = -(-self.n_examples // global_batch)
+        if self.policy == "off":  # each reader's own Dataset, in its own order
+            lengths = self.stream_lengths or [len(self.train)]
+            return readers_batches([np.arange(n) for n in lengths], steps)
         if self.policy == "file":
             from ringtrain.shards import reader_streams
 
             buffer, readers = self.shuffle_buffer, self.readers
             streams = reader_streams(self.shard_rows, readers, seed, epoch, buffer, shuffle)
-            return readers_batches(streams, -(-self.n_examples // global_batch))
+            return readers_batches(streams, steps)
         if self.shard_rows is None or not shuffle:
             return epoch_order(self.n_examples, global_batch, seed, epoch, shuffle, True)
         from ringtrain.shards import shard_order
@@ -332,13 +346,14 @@ class ReadersBatch(np.ndarray):
 
 def readers_batches(streams: list[np.ndarray], steps: int) -> list[np.ndarray]:
     """An epoch of `steps` global batches, each reader's stream cut into `steps` consecutive
-    parts: every row once, every share non-empty (a stream shorter than `steps` is refused)."""
+    parts: every row once, every share non-empty (a stream shorter than `steps` is refused).
+    A stream's positions are the reader's own (under `off`, in its own Dataset)."""
     short = [r for r, s in enumerate(streams) if len(s) < steps]
     if short:
         raise UserError(
-            f"--shard-policy file: reader {short[0]}'s files hold {len(streams[short[0]])} "
-            f"examples, fewer than the {steps} steps of an epoch; balance the files or use "
-            "--shard-policy data"
+            f"--shard-policy file or off: reader {short[0]}'s share holds "
+            f"{len(streams[short[0]])} examples, fewer than the {steps} steps of an epoch; "
+            "balance the shares or use --shard-policy data"
         )
     parts = [np.array_split(stream, steps) for stream in streams]
     batches = []

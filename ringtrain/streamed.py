@@ -192,3 +192,10 @@ def check_same_order(comm, wait, examples: Examples, batch: int, flag: str) -> N
             f"{others[0]}'s from rank 0's); its order must not depend on the rank: seed any "
             "shuffle (shuffle(buffer, seed=...))"
         ).on_every_rank(comm.Get_rank())
+
+
+def shared_lengths(comm, wait, mine: int) -> list[int]:
+    """Every rank's own Dataset's length (--shard-policy off), in rank order; a collective."""
+    every = np.empty(comm.Get_size(), np.int64)
+    wait(comm.Iallgather(np.array([mine], np.int64), every), None, "the other ranks' lengths")
+    return [int(n) for n in every]

@@ -146,6 +146,13 @@ def parse_digit_shifted(serialized):  # labels 10..19, beyond a 10-class model
 
 def fails():
     raise ValueError("no data today")
+
+
+def own_shard():  # Horovod's idiom: each rank its own interleaved share of the examples
+    import os
+
+    rank, size = (int(os.environ["OMPI_COMM_WORLD_" + k]) for k in ("RANK", "SIZE"))
+    return digits().shard(size, rank)
 """
 
 
@@ -531,12 +538,14 @@ def test_file_sharding_deals_each_reader_its_own_files_and_every_record_once(shu
         assert not files[0] & files[1] and files[0] | files[1] == set(range(5))
 
 
-def test_file_sharding_is_refused_where_it_cannot_deal_files():
+def test_file_and_off_sharding_are_refused_where_they_cannot_apply():
     from ringtrain.data import UserData
 
     arrays = UserData(Examples(np.zeros((40, 1)), np.zeros(40)))
     with pytest.raises(UserError, match="--shard-policy file needs --data-files"):
         arrays.choose_policy("file", 2)
+    with pytest.raises(UserError, match="off is for a tf.data.Dataset that shards itself"):
+        arrays.choose_policy("off", 2)
     few = UserData(Examples(np.zeros((40, 1)), np.zeros(40)), None, [20, 20])
     with pytest.raises(UserError, match="2 file\\(s\\) for 3 readers"):
         few.choose_policy("file", 3)
@@ -579,3 +588,31 @@ def test_tfrecord_input_stopped_mid_epoch_resumes_on_one_rank_to_the_unbroken_we
     a, b = np.load(whole), np.load(resumed)
     assert sorted(a.files) == sorted(b.files)
     assert max(float(np.max(np.abs(a[k] - b[k]))) for k in a.files) < 1e-5
+
+
+@pytest.mark.mpi
+def test_a_dataset_that_shards_itself_trains_under_shard_policy_off(datasets, tmp_path):
+    """--shard-policy off: each rank's Dataset (dataset.shard(2, rank)) is its share; global
+    batch t is each rank's elements [t*b, (t+1)*b) side by side, per tensor within the bound
+    of Keras's fit on those batches."""
+    sys.path.insert(0, str(USER_MODELS.parent))
+    import user_models
+
+    (x, y), _ = user_models.digits_split()
+    batch, steps, share = 60, 5, 30  # 150 examples a rank: 5 shares of 30
+    order = [
+        rank + 2 * p
+        for t in range(steps)
+        for rank in (0, 1)
+        for p in range(t * share, (t + 1) * share)
+    ]
+    reference = keras_fit_updates(user_models.residual_cnn, x[order], y[order], batch, steps, SEED)
+    saved = tmp_path / "trained.keras"
+    done = train_under_mpirun(
+        *["--model", f"{USER_MODELS}:residual_cnn", "--data", f"{datasets}:own_shard"],
+        *["--shard-policy", "off", "--batch-size", str(batch), "--epochs", "1"],
+        *["--seed", str(SEED), "--save", str(saved)],
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    comparison = saved_model_updates(saved, reference)
+    assert comparison.ok, comparison.describe()
