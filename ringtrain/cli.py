@@ -154,10 +154,12 @@ def _train_user_model(args: argparse.Namespace, cfg: TrainConfig, me, wait_for: 
     """Load the user's data on every rank (agreed), then build their model after seeding."""
     from ringtrain import runtime
 
-    if args.data:  # the user's function may run TensorFlow ops (tf.data): size its pools first
+    if args.data or args.validation_data:  # a user's function may run TensorFlow ops first
         runtime.init(uses_horovod(cfg))
     data = _agreed(
-        lambda: load_user_data(args.data, cfg, args.data_files, args.validation_files),
+        lambda: load_user_data(
+            args.data, cfg, args.data_files, args.validation_files, args.validation_data
+        ),
         me,
         wait_for,
     )

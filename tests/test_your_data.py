@@ -148,6 +148,10 @@ def fails():
     raise ValueError("no data today")
 
 
+def held_out():  # a Dataset for --validation-data
+    return with_held_out()[1]
+
+
 def own_shard():  # Horovod's idiom: each rank its own interleaved share of the examples
     import os
 
@@ -616,3 +620,18 @@ def test_a_dataset_that_shards_itself_trains_under_shard_policy_off(datasets, tm
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     comparison = saved_model_updates(saved, reference)
     assert comparison.ok, comparison.describe()
+
+
+def test_validation_data_from_its_own_function_is_scored_each_epoch(datasets, tmp_path):
+    """--validation-data FUNCTION: a Dataset of held-out examples beside --data's training
+    Dataset, scored at each epoch's end; given twice, refused in one line."""
+    metrics = tmp_path / "metrics.json"
+    base = [str(BIN / "ringtrain"), "train", "--model", f"{USER_MODELS}:residual_cnn"]
+    base += ["--validation-data", f"{datasets}:held_out", "--strategy", "single"]
+    done = run([*base, "--data", f"{datasets}:digits", "--epochs", "2", "--batch-size", "100",
+                "--metrics-out", str(metrics)])  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    history = json.loads(metrics.read_text())["history"]
+    assert len(history["val_loss"]) == 2 and len(history["val_accuracy"]) == 2
+    twice = run([*base, "--data", f"{datasets}:with_held_out", "--steps", "1"])
+    said_once(twice, EXIT_USAGE, "held-out examples given twice")

@@ -145,12 +145,24 @@ def add_file_arguments(p: argparse.ArgumentParser) -> None:
         metavar="GLOB",
         help="held-out examples in files of the same kind as --data-files",
     )
+    p.add_argument(
+        "--validation-data",
+        metavar="PATH.py:FUNCTION",
+        help="held-out examples for --model FUNCTION: FUNCTION returns (x_val, y_val) as "
+        "numpy arrays or a tf.data.Dataset of unbatched (features, label) elements",
+    )
 
 
 def check_file_flags(args: argparse.Namespace, dataset: str) -> None:
     """--data-files replaces --data and --dataset; --validation-files goes with it."""
     if args.validation_files and not args.data_files:
         raise UserError("--validation-files goes with --data-files")
+    if args.validation_data:
+        if not is_model_function(args.model):
+            raise UserError("--validation-data needs --model PATH.py:FUNCTION, your own model")
+        if args.validation_files:
+            raise UserError("give either --validation-data or --validation-files, not both")
+        check_target("--validation-data", args.validation_data)
     if not args.data_files:
         if args.shard_policy == "file":
             raise UserError("--shard-policy file needs --data-files: it deals files to readers")
@@ -193,6 +205,34 @@ def load_user_data(
     cfg: TrainConfig,
     data_files: str | None = None,
     validation_files: str | None = None,
+    validation_data: str | None = None,
+):
+    """The training data, and the held-out examples --validation-data FUNCTION returns."""
+    data = _training_data(target, cfg, data_files, validation_files)
+    if validation_data is None:
+        return data
+    if data.validation is not None:
+        raise UserError(
+            f"held-out examples given twice: by --validation-data and by --data {target}"
+        )
+    returned = called(
+        "--validation-data", validation_data, load_function("--validation-data", validation_data)
+    )
+    from ringtrain import streamed
+    from ringtrain.data import Examples
+
+    flag = f"--validation-data {validation_data}"
+    if streamed.is_dataset(returned):
+        data.validation = streamed.in_memory(returned, flag)
+    elif isinstance(returned, tuple) and len(returned) == 2:
+        data.validation = Examples(*returned)
+    else:
+        raise UserError(f"{flag} must return (x_val, y_val) or a tf.data.Dataset")
+    return data
+
+
+def _training_data(
+    target: str | None, cfg: TrainConfig, data_files: str | None, validation_files: str | None
 ):
     """--data FUNCTION's arrays, --data-files' shards, or a --dataset's arrays with its
     held-out part for validation."""
