@@ -119,16 +119,8 @@ def with_held_out():  # (train, validation), both unbatched
     return digits(), tf.data.Dataset.from_tensor_slices((x_val, y_val))
 
 
-def batched():
-    return digits().batch(8)
-
-
 def unseeded():  # each rank draws its own order
     return digits().shuffle(300)
-
-
-def endless():
-    return digits().repeat()
 
 
 def parse_digit(serialized):  # one record of write_records: 8x8x1 float32 bytes, a label
@@ -256,18 +248,30 @@ def test_a_dataset_is_read_a_global_batch_at_a_time_in_its_own_order():
 
 
 @pytest.mark.parametrize(
-    "function,ranks,needle",
+    "shaped,needle",
     [
-        ("batched", 1, "the dataset is already batched"),
-        ("endless", 1, "the dataset is infinite (repeat())"),
-        ("unseeded", 2, "the dataset's first global batch differs between ranks"),
+        (lambda d: d.batch(8), "the dataset is already batched"),
+        (lambda d: d.repeat(), "the dataset is infinite (repeat())"),
+        (lambda d: d.take(0), "the dataset holds no examples"),
+        (lambda d: d.map(lambda x, y: x), "elements must be (features, label) pairs"),
     ],
 )
-def test_a_dataset_that_cannot_be_read_alike_is_refused_in_one_line(
-    function, ranks, needle, datasets
-):
-    args = ["--model", f"{USER_MODELS}:residual_cnn", "--data", f"{datasets}:{function}"]
-    said_once(train_under_mpirun(*args, "--steps", "1", ranks=ranks), EXIT_USAGE, needle)
+def test_a_dataset_that_cannot_be_read_as_examples_is_refused(shaped, needle):
+    from ringtrain.streamed import streamed
+    from ringtrain.tensorflow_loader import tf
+
+    digits = tf.data.Dataset.from_tensor_slices((np.zeros((20, 3), np.float32), np.arange(20)))
+    with pytest.raises(UserError) as said:
+        streamed(shaped(digits), 8, "--data f")
+    assert needle in str(said.value)
+
+
+@pytest.mark.mpi
+def test_a_dataset_read_differently_by_the_ranks_is_refused_in_one_line(datasets):
+    """An unseeded shuffle: each rank's first global batch differs, which the ranks compare."""
+    args = ["--model", f"{USER_MODELS}:residual_cnn", "--data", f"{datasets}:unseeded"]
+    needle = "the dataset's first global batch differs between ranks"
+    said_once(train_under_mpirun(*args, "--steps", "1", ranks=2), EXIT_USAGE, needle)
 
 
 def test_an_epoch_line_shows_the_input_wait_above_a_tenth_of_its_steps():
@@ -482,17 +486,15 @@ def test_bad_tfrecord_files_are_named_in_one_line(tmp_path):
     refused(good, longer_for_label_two, "element part features is (5,) float32", np.array([2]))
 
 
-@pytest.mark.mpi
 def test_a_failing_data_function_and_labels_beyond_the_model_are_said_in_one_line(
     digits_shards, datasets
 ):
-    args = ["--model", f"{USER_MODELS}:residual_cnn", "--steps", "1"]
-    failing = train_under_mpirun(*args, "--data", f"{datasets}:fails", ranks=1)
+    args = [str(BIN / "ringtrain"), "train", "--model", f"{USER_MODELS}:residual_cnn"]
+    args += ["--steps", "1", "--strategy", "single"]
+    failing = run([*args, "--data", f"{datasets}:fails"])
     said_once(failing, EXIT_USAGE, "failed: ValueError: no data today")
     train, _ = digits_shards[0]["tfrecord"]
-    shifted = train_under_mpirun(
-        *args, "--data-files", train, "--data", f"{datasets}:parse_digit_shifted", ranks=1
-    )
+    shifted = run([*args, "--data-files", train, "--data", f"{datasets}:parse_digit_shifted"])
     said_once(shifted, EXIT_USAGE, "labels out of range: the data holds label 1")
 
 
@@ -574,7 +576,7 @@ def test_tfrecord_input_stopped_mid_epoch_resumes_on_one_rank_to_the_unbroken_we
 ):
     """Shuffled TFRecord input, 2 epochs: stopped in the second epoch on 2 ranks, resumed on 1,
     the same weights as one unbroken process: the input position is the step, whatever the
-    rank count. A resume that would read another order (--shuffle-buffer) is refused."""
+    rank count."""
     train, _ = digits_shards[0]["tfrecord"]
     flags = ["--model", f"{USER_MODELS}:residual_cnn", "--data-files", train]
     flags += ["--data", f"{datasets}:parse_digit", "--shuffle-buffer", "50", "--epochs", "2"]
@@ -585,8 +587,6 @@ def test_tfrecord_input_stopped_mid_epoch_resumes_on_one_rank_to_the_unbroken_we
     assert done.returncode == 0, done.stderr[-2000:]
     stopped = train_under_mpirun(*flags, str(tmp_path / "b"), "--stop-after", "7")
     assert stopped.returncode == 75, stopped.stderr[-2000:]
-    other = run([*ringtrain, str(tmp_path / "b"), "--resume", "--shuffle-buffer", "60"])
-    said_once(other, EXIT_USAGE, "shuffle_buffer is 50 there and 60 here")
     done = run([*ringtrain, str(tmp_path / "b"), "--resume", "--weights-out", str(resumed)])
     assert done.returncode == 0 and "resumed from" in done.stdout, done.stderr[-2000:]
     a, b = np.load(whole), np.load(resumed)
@@ -635,3 +635,17 @@ def test_validation_data_from_its_own_function_is_scored_each_epoch(datasets, tm
     assert len(history["val_loss"]) == 2 and len(history["val_accuracy"]) == 2
     twice = run([*base, "--data", f"{datasets}:with_held_out", "--steps", "1"])
     said_once(twice, EXIT_USAGE, "held-out examples given twice")
+
+
+def test_a_checkpoint_refuses_a_resume_that_would_read_another_order():
+    from ringtrain.checkpoint import check_identity, flag_identity
+    from ringtrain.config import TrainConfig
+
+    written = {"folder": "ckpt/step-00000007", "identity": flag_identity(TrainConfig())}
+    for changed, needle in (
+        ({"shuffle_buffer": 60}, "shuffle_buffer is 10000 there and 60 here"),
+        ({"shard_policy": "file"}, "shard_policy is 'data' there and 'file' here"),
+        ({"shuffle": False}, "shuffle is True there and False here"),
+    ):
+        with pytest.raises(UserError, match=needle):
+            check_identity(written, flag_identity(TrainConfig(**changed)))
