@@ -1,8 +1,11 @@
-"""Your own data in `.npy` shards (`--data-files`): read through memory maps, in the order the
-same examples in memory would take, exact against Keras's own fit, shuffled file by file within
-a buffer, with a rank's memory bounded by a few shards, and every bad file refused in one
-line. A tf.data.Dataset from --data: read in its own order, exact against Keras's fit, and one
-that is batched, endless or read differently by the ranks refused in one line."""
+"""Your own data. Files from --data-files, `.npy` shards (memory maps) or TFRecord shards
+(read by record index, parsed by the --data function, read ahead): in the order the same
+examples in memory would take, exact against Keras's own fit under data, pipeline and hybrid,
+shuffled file by file within a buffer, resumed mid-epoch on another rank count, with a rank's
+memory bounded, and every bad file or record refused in one line. A tf.data.Dataset from
+--data: read in its own order, exact against Keras's fit, and one that is batched, endless or
+read differently by the ranks refused in one line. --shard-policy data, file, auto and off;
+--validation-data; `ringtrain data make-synthetic`."""
 
 from __future__ import annotations
 
