@@ -22,10 +22,10 @@ import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
+from ringtrain.ahead import ReadAhead
 from ringtrain.errors import UserError
 
 HEADER = struct.Struct("<QI")  # the record's length and the length's masked CRC-32C
@@ -118,76 +118,29 @@ class RecordFiles:
         return self._open[f]
 
 
-class ParsedRecords:
-    """Records parsed by the user's function, a batch of positions at a time. The last batch
-    parsed is kept: a step asks for its features and its labels separately. The positions a
-    coming step will take are read and parsed ahead, on a thread of their own, while the
-    current step computes (`read_ahead`); a step then takes its rows from them."""
+class ParsedRecords(ReadAhead):
+    """Records parsed by the user's function, a batch of positions at a time, read ahead
+    (ringtrain.ahead) while the step before computes."""
 
     def __init__(self, files: RecordFiles, parse: Callable, flag: str):
         from ringtrain.tensorflow_loader import tf
 
+        super().__init__(self._batch_checked, len(files))
         self.files, self.parse, self.flag = files, parse, flag
-        self.n_examples = len(files)
         self.options = tf.data.Options()  # parsing threads within the rank's share of cores
         self.options.threading.private_threadpool_size = max(
             1, tf.config.threading.get_intra_op_parallelism_threads()
         )
-        self._last: tuple[bytes, object] | None = None
-        self._ahead: list[tuple[np.ndarray, Future]] = []  # (sorted positions, their parse)
-        self._reader: ThreadPoolExecutor | None = None
-        first = self._parsed(np.arange(1), check=False)
+        first = self._batch(np.arange(1))
         if not (isinstance(first, tuple) and len(first) == 2):
             raise UserError(f"{flag}: the parse function must return (features, label)")
         self.spec = tf.nest.map_structure(lambda a: tf.TensorSpec(a.shape[1:], a.dtype), first)
 
     def examples(self):
-        """The records as Examples whose columns are indexed by position like arrays."""
+        """The records as Examples, indexed by position like arrays."""
         from ringtrain.data import Examples
-        from ringtrain.streamed import columns
 
-        features, labels = self.spec
-        return Examples(columns(self, features, [0]), columns(self, labels, [1]))
-
-    def read_ahead(self, positions: np.ndarray) -> None:
-        """Read and parse `positions` in the background; the last two such reads are kept."""
-        if self._reader is None:
-            self._reader = ThreadPoolExecutor(1, thread_name_prefix="ringtrain-input")
-        positions = np.unique(np.asarray(positions, np.int64))
-        if len(positions):
-            self._ahead = [
-                *self._ahead[-1:],
-                (positions, self._reader.submit(self._batch_checked, positions)),
-            ]
-
-    def rows(self, part: list, indices) -> np.ndarray:
-        """One part of the parsed records at `indices` (`part`: its path, e.g. [0, "ids"])."""
-        indices = np.asarray(indices, np.int64).reshape(-1)
-        value = self._read_ahead(indices)
-        if value is None:
-            value = self._parsed(indices)
-        for key in part:
-            value = value[key]
-        return value
-
-    def _read_ahead(self, indices: np.ndarray):
-        """The rows at `indices` from a read ahead that holds them all (waiting for it), or
-        None."""
-        for positions, parsed in reversed(self._ahead):
-            at = np.minimum(np.searchsorted(positions, indices), len(positions) - 1)
-            if len(indices) and (positions[at] == indices).all():
-                from ringtrain.tensorflow_loader import tf
-
-                return tf.nest.map_structure(lambda whole, at=at: whole[at], parsed.result())
-        return None
-
-    def _parsed(self, indices: np.ndarray, check: bool = True):
-        key = indices.tobytes()
-        if self._last is not None and self._last[0] == key:
-            return self._last[1]
-        value = self._batch_checked(indices) if check else self._batch(indices)
-        self._last = (key, value)
-        return value
+        return Examples(*self.columns())
 
     def _batch_checked(self, indices: np.ndarray):
         value = self._batch(indices)

@@ -15,11 +15,13 @@ from __future__ import annotations
 import glob
 import os
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
 
+from ringtrain.ahead import ReadAhead
 from ringtrain.errors import UserError
 
 OPEN_SHARDS = 2  # a window of rows spans at most two shards when shards hold a buffer or more
@@ -65,6 +67,7 @@ class ShardedRows:
         self.offsets = np.cumsum([0, *self.rows])
         self.shape = (int(self.offsets[-1]), *first_shape[1:])
         self._maps: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -82,6 +85,10 @@ class ShardedRows:
         return out
 
     def _mapped(self, s: int) -> np.ndarray:
+        with self._lock:  # the read-ahead thread and the step's own reads share the maps
+            return self._map(s)
+
+    def _map(self, s: int) -> np.ndarray:
         if s in self._maps:
             self._maps.move_to_end(s)
         else:
@@ -113,6 +120,19 @@ def npy_shards(pattern: str, flag: str) -> tuple[ShardedRows, ShardedRows]:
         if rows_x != rows_y:
             raise UserError(f"{flag}: x-{i}.npy holds {rows_x} rows but y-{i}.npy {rows_y}")
     return x, y
+
+
+class ShardedExamples(ReadAhead):
+    """The x and y shards' rows by position, read ahead (ringtrain.ahead) a step early."""
+
+    def __init__(self, x: ShardedRows, y: ShardedRows):
+        row = (np.empty(x.shape[1:], x.dtype), np.empty(y.shape[1:], y.dtype))
+        super().__init__(lambda indices: (x[indices], y[indices]), len(x), row)
+        self.file_rows = x.rows  # what --shuffle and --shard-policy file deal in
+
+
+def npy_examples(pattern: str, flag: str) -> ShardedExamples:
+    return ShardedExamples(*npy_shards(pattern, flag))
 
 
 def shard_order(rows: Sequence[int], seed: int, epoch: int, buffer: int) -> np.ndarray:

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from ringtrain.ahead import columns
 from ringtrain.data import Examples
 from ringtrain.errors import UserError
 from ringtrain.tensorflow_loader import tf
@@ -122,29 +123,6 @@ class _Window:
 
 def _joined(*pieces: np.ndarray) -> np.ndarray:
     return np.concatenate(pieces)
-
-
-class _Column:
-    """One part of the elements, indexed by global position like an array. `window` reads
-    them: anything with `n_examples` and `rows(part, indices)`."""
-
-    def __init__(self, window, part: list, spec):
-        self.window, self.part = window, part
-        self.shape = (window.n_examples, *spec.shape)
-        self.dtype = np.dtype(spec.dtype.as_numpy_dtype)
-
-    def __len__(self) -> int:
-        return self.window.n_examples
-
-    def __getitem__(self, indices) -> np.ndarray:
-        return self.window.rows(self.part, indices)
-
-
-def columns(window, spec, part: list):
-    """A column per array of the elements' structure: a dict's keys stay keys."""
-    if isinstance(spec, dict):
-        return {key: columns(window, value, [*part, key]) for key, value in spec.items()}
-    return _Column(window, part, spec)
 
 
 def streamed(dataset, batch: int, flag: str) -> Examples:

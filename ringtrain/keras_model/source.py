@@ -182,15 +182,15 @@ def _files(pattern: str | None, flag: str, parse: str | None):
     `pattern` matches."""
     from ringtrain.data import Examples
     from ringtrain.records import parsed_records, record_files
-    from ringtrain.shards import npy_shards
+    from ringtrain.shards import npy_examples
 
     if pattern is None:
         return None, None, None
     if all(path.endswith(".npy") for path in record_files(pattern, flag)):
         if parse is not None:
             raise UserError(f"{flag} {pattern} names .npy shards, which need no --data parser")
-        x, y = npy_shards(pattern, flag)
-        return Examples(x, y), x.rows, None
+        shards = npy_examples(pattern, flag)
+        return Examples(*shards.columns()), shards.file_rows, shards
     if parse is None:
         raise UserError(
             f"{flag} {pattern}: TFRecord files need --data PATH.py:FUNCTION, the function "
