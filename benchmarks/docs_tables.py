@@ -332,6 +332,86 @@ def zoo_table(report: dict) -> str:
     return "\n".join([intro, "", *lines, "", f"Targets: {'; '.join(verdicts)}."])
 
 
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def input_table(report: dict) -> str:
+    """Training from TFRecord files on disk, under a memory cgroup, against memory: the
+    throughputs, the targets, memory against the set, the disk, the pipeline alone, and where
+    a disk step's time went."""
+    lines = [
+        "| contender | samples/s (median, min–max) | × from memory, per round: median "
+        "(min–max) | input wait, share of the steps (median) | fullest rank's VmHWM | of the "
+        "set | each rank's VmHWM, per round | read from storage per launch (median) | read "
+        "rate over the launch (median) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for e in report["summary"]:
+        ratio = f"{e['vs_memory_median']:.2f} ({_span(e['vs_memory_per_round'], '.2f')})"
+        ranks = "; ".join(
+            " + ".join(_gib(b) for b in highs) for highs in e["ranks_vmhwm_bytes_per_round"]
+        )
+        lines.append(
+            f"| {e['contender']} | {_range(e, 'samples_per_sec')} | {ratio} | "
+            f"{e['input_wait_fraction_median']:.1%} | {_gib(e['fullest_rank_vmhwm_bytes'])} | "
+            f"{e['fullest_rank_vmhwm_of_set']:.1%} | {ranks} | {_gib(e['read_bytes_median'])} "
+            f"| {e['read_bytes_per_sec_median'] / 1e6:.0f} MB/s |"
+        )
+    alone, p = report["pipeline_alone"], report["profile"]
+    lines += [
+        "",
+        "| the input pipeline alone, one process, one thread, cold cache | value |",
+        "|---|---|",
+        f"| records read and parsed | {alone['records']} of {alone['set_records']} |",
+        f"| records/s | {alone['records_per_sec']:.0f} |",
+        f"| MB/s of records | {alone['mb_per_sec']:.0f} |",
+        f"| MB/s read from storage | {alone['read_mb_per_sec']:.0f} |",
+        f"| CPU ms per record | {alone['cpu_ms_per_record']:.3f} |",
+        f"| indexing the files at start-up | {alone['index_seconds']:.1f} s, "
+        f"{_gib(alone['index_read_bytes'])} read |",
+        "",
+        "| where a step's time goes, median ms per step | ms |",
+        "|---|---|",
+        f"| step from memory | {p['memory_step_ms']:.1f} |",
+        f"| step from disk | {p['disk_step_ms']:.1f} |",
+        f"| of which, beyond memory's | {p['disk_extra_ms']:.1f} |",
+        f"| input wait from disk | {p['disk_input_wait_ms_per_step']:.1f} |",
+        f"| the read-ahead's own CPU, a rank's share at the pipeline-alone cost (estimate) "
+        f"| {p['read_ahead_cpu_ms_per_step_estimate']:.1f} |",
+        f"| left unexplained | {p['unexplained_ms']:.1f} |",
+    ]
+    ratio = report["ratio_disk_over_memory"]
+    verdicts = [
+        f"{name}: {t['value']:.3f}, {'met' if t['met'] else 'NOT met'}"
+        for name, t in report["targets"].items()
+    ]
+    data, cgroup, w = report["dataset"], report["cgroup"], report["workload"]
+    facts = report["machine"]
+    intro = (
+        f"`ringtrain bench input` on {machine(facts)}, TensorFlow {facts['tensorflow']}: "
+        f"{data['examples']:,} synthetic {'×'.join(map(str, data['shape']))} uint8 images in "
+        f"{data['shards']} TFRecord shards, {_gib(data['bytes'])}; {w['model']}, "
+        f"{w['optimizer']}, global batch {w['global_batch']} on {w['ranks']} ranks; "
+        f"{report['steps_per_launch']} steps per launch, {report['rounds']} alternating "
+        f"rounds{_mode(report)}. From memory: the set's first {report['memory_examples']:,} "
+        f"examples as arrays. From disk: page cache dropped before each launch, mpirun and its "
+        f"ranks in a memory cgroup ({cgroup['version']}) limited to "
+        f"{_gib(cgroup['disk_limit_bytes'])}, which peaked at "
+        f"{_gib(cgroup['disk_peak_bytes'])}. Pinning: {report['pinning']['rule']}."
+    )
+    return "\n".join(
+        [
+            intro,
+            "",
+            *lines,
+            "",
+            f"From disk over from memory, per round: median {ratio['median']:.3f} "
+            f"({ratio['min']:.3f}–{ratio['max']:.3f}). Targets: {'; '.join(verdicts)}.",
+        ]
+    )
+
+
 def allreduce_table(report: dict) -> str:
     lines = [
         "| ranks | size | Horovod busbw | Horovod in a step busbw | MPI out-of-place busbw | "
@@ -630,6 +710,7 @@ PAGE_RESULTS = {
     ),
     "strategies.md": (("strategies", strategies_table),),
     "zoo.md": (("zoo", zoo_table),),
+    "input.md": (("input", input_table),),
     "pipeline.md": (("pipeline", pipeline_table), ("pipeline-cluster", pipeline_table)),
     "pipeline-sizes.md": (("pipeline-sizes", sizes_table),),
     "planning.md": (

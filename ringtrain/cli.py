@@ -255,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         (
             "bench",
-            "benchmarks: pipeline, pipeline-sizes, strategies, allreduce, dp, plan, zoo "
+            "benchmarks: pipeline, pipeline-sizes, strategies, allreduce, dp, plan, zoo, input "
             "(JSON, PNG: benchmarks/results)",
             bench.add_bench_arguments,
             bench.run_bench_command,

@@ -73,6 +73,11 @@ BENCHES = {
         "your own Keras models (a CNN, ResNet50) against the built-in ones and one process",
         5,
     ),
+    "input": (
+        "ringtrain.bench.input_bench",
+        "a CNN trained from TFRecord files on disk, under a memory cgroup, against memory",
+        5,
+    ),
 }
 PROTOCOL = "@bench "  # marks driver replies among whatever else a rank prints on stdout
 
