@@ -89,8 +89,6 @@ def train(
         readers = (
             me.world_size // pp_size_of(cfg, me.world_size) if runs_stages(cfg) else me.world_size
         )
-        if cfg.shard_policy == "off" and (runs_stages(cfg) or cfg.strategy == "single"):
-            raise UserError("--shard-policy off goes with --strategy data: a rank, a replica")
         if data.choose_policy(cfg.shard_policy, readers) == "file" and me.rank == 0:
             log.info(
                 f"--shard-policy file: {len(data.shard_rows)} files dealt to {readers} readers"

@@ -144,21 +144,16 @@ class UserData:
     def choose_policy(self, asked: str, readers: int) -> str:
         """--shard-policy for `readers` replicas that read: `auto` is `file` when there are
         files, at least one per reader (as TF's AutoShardPolicy.AUTO), else `data`."""
-        files = len(self.shard_rows or [])
-        if asked == "off":
-            if not self.in_order:
-                raise UserError(
-                    "--shard-policy off is for a tf.data.Dataset that shards itself by rank "
-                    "(dataset.shard(size, rank)); files and arrays are sharded by data or file"
-                )
+        if asked == "off" and self.in_order:  # a Dataset that shards itself by rank
             self.policy, self.readers = "off", readers
             return "off"
-        if asked == "auto":
-            asked = "file" if self.shard_rows and files >= readers else "data"
-        if asked != "file":
-            return data_policy(asked, "a tf.data.Dataset" if self.in_order else "arrays")
         if not self.shard_rows:
-            raise UserError("--shard-policy file needs --data-files: it deals files to readers")
+            return data_policy(asked, "a tf.data.Dataset" if self.in_order else "arrays")
+        files = len(self.shard_rows)
+        if asked == "auto":
+            asked = "file" if files >= readers else "data"
+        if asked != "file":
+            return data_policy(asked, "files")
         if files < readers:
             raise UserError(
                 f"--shard-policy file: {files} file(s) for {readers} readers (data-parallel "
@@ -329,17 +324,22 @@ def step_plan(
 
 def data_policy(asked: str, source: str) -> str:
     """`data` (or `auto`, which means it here): every reader takes its share of each global
-    batch, the same examples under every strategy and rank count."""
+    batch, the same examples under every strategy and rank count. `source` cannot be read by
+    the other policies."""
     if asked in ("auto", "data"):
         return "data"
     if asked == "file":
         raise UserError(f"--shard-policy file needs --data-files; {source} is sharded by data")
-    raise UserError(f"--shard-policy {asked} is not one of auto, file, data")
+    raise UserError(
+        "--shard-policy off is for a tf.data.Dataset that shards itself by rank "
+        f"(dataset.shard(size, rank)); {source} is sharded by data or file"
+    )
 
 
 class ReadersBatch(np.ndarray):
-    """A global batch of readers' own shares (--shard-policy file): reader r's examples are
-    [bounds[r], bounds[r + 1]), from its own files, and their counts may differ by one."""
+    """A global batch of readers' own shares (--shard-policy file or off): reader r's examples
+    are [bounds[r], bounds[r + 1]), from its own files or Dataset, and their counts may
+    differ by one."""
 
     bounds: tuple[int, ...] = ()
 

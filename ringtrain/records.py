@@ -16,7 +16,6 @@ any record that differs, or fails to parse, is named with its file and index.
 
 from __future__ import annotations
 
-import glob
 import os
 import re
 import struct
@@ -28,18 +27,11 @@ import numpy as np
 
 from ringtrain.ahead import ReadAhead
 from ringtrain.errors import UserError
+from ringtrain.shards import matching_files
 
 HEADER = struct.Struct("<QI")  # the record's length and the length's masked CRC-32C
 FOOTER_BYTES = 4  # the data's masked CRC-32C
 OPEN_FILES = 4
-
-
-def record_files(pattern: str, flag: str) -> list[str]:
-    """The files a GLOB matches, in name order, or one line saying there are none."""
-    paths = sorted(p for p in glob.glob(os.path.expanduser(pattern)) if not os.path.isdir(p))
-    if not paths:
-        raise UserError(f"{flag} {pattern} matches no file")
-    return paths
 
 
 def record_offsets(path: str, flag: str) -> np.ndarray:
@@ -214,4 +206,4 @@ def _said(exc: Exception) -> str:
 
 def parsed_records(pattern: str, parse: Callable, flag: str) -> ParsedRecords:
     """The TFRecord files `pattern` matches, parsed by `parse`."""
-    return ParsedRecords(RecordFiles(record_files(pattern, flag), flag), parse, flag)
+    return ParsedRecords(RecordFiles(matching_files(pattern, flag), flag), parse, flag)

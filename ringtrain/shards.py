@@ -98,11 +98,22 @@ class ShardedRows:
         return self._maps[s]
 
 
-def npy_shards(pattern: str, flag: str) -> tuple[ShardedRows, ShardedRows]:
-    """(x, y) of the `x-NNNNN.npy`/`y-NNNNN.npy` pairs that `pattern` matches."""
-    paths = sorted(glob.glob(os.path.expanduser(pattern)))
+def matching_files(pattern: str, flag: str) -> list[str]:
+    """The files a --data-files or --validation-files GLOB matches, in name order, or one
+    line saying there are none."""
+    paths = sorted(p for p in glob.glob(os.path.expanduser(pattern)) if not os.path.isdir(p))
     if not paths:
         raise UserError(f"{flag} {pattern} matches no file")
+    return paths
+
+
+def npy_shards(pattern: str, flag: str) -> tuple[ShardedRows, ShardedRows]:
+    """(x, y) of the `x-NNNNN.npy`/`y-NNNNN.npy` pairs that `pattern` matches."""
+    return npy_pairs(matching_files(pattern, flag), flag)
+
+
+def npy_pairs(paths: Sequence[str], flag: str) -> tuple[ShardedRows, ShardedRows]:
+    """(x, y) of the `x-NNNNN.npy`/`y-NNNNN.npy` pairs among `paths`."""
     parts: dict[str, dict[str, str]] = {"x": {}, "y": {}}
     for path in paths:
         named = SHARD_NAME.fullmatch(os.path.basename(path))
@@ -129,10 +140,6 @@ class ShardedExamples(ReadAhead):
         row = (np.empty(x.shape[1:], x.dtype), np.empty(y.shape[1:], y.dtype))
         super().__init__(lambda indices: (x[indices], y[indices]), len(x), row)
         self.file_rows = x.rows  # what --shuffle and --shard-policy file deal in
-
-
-def npy_examples(pattern: str, flag: str) -> ShardedExamples:
-    return ShardedExamples(*npy_shards(pattern, flag))
 
 
 def shard_order(rows: Sequence[int], seed: int, epoch: int, buffer: int) -> np.ndarray:

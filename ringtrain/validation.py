@@ -61,6 +61,8 @@ def validate_flags(cfg: TrainConfig, world_size: int, given: Collection[str] = (
             f"global batch {cfg.batch_size} is smaller than the {shares} shares it is cut into"
         )
     _validate_checkpointing(cfg)
+    if cfg.shard_policy == "off" and cfg.strategy != "data":
+        raise UserError("--shard-policy off goes with --strategy data: a rank, a replica")
     if not is_model_function(cfg.model):
         return
     for name, instead in COMPILED_ELSEWHERE.items():

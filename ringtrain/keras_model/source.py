@@ -181,22 +181,23 @@ def _files(pattern: str | None, flag: str, parse: str | None):
     """(examples, records per file, their reader or None) of the .npy or TFRecord shards
     `pattern` matches."""
     from ringtrain.data import Examples
-    from ringtrain.records import parsed_records, record_files
-    from ringtrain.shards import npy_examples
+    from ringtrain.records import ParsedRecords, RecordFiles
+    from ringtrain.shards import ShardedExamples, matching_files, npy_pairs
 
     if pattern is None:
         return None, None, None
-    if all(path.endswith(".npy") for path in record_files(pattern, flag)):
+    paths = matching_files(pattern, flag)
+    if all(path.endswith(".npy") for path in paths):
         if parse is not None:
             raise UserError(f"{flag} {pattern} names .npy shards, which need no --data parser")
-        shards = npy_examples(pattern, flag)
+        shards = ShardedExamples(*npy_pairs(paths, flag))
         return Examples(*shards.columns()), shards.file_rows, shards
     if parse is None:
         raise UserError(
             f"{flag} {pattern}: TFRecord files need --data PATH.py:FUNCTION, the function "
             "that parses one record into (features, label)"
         )
-    records = parsed_records(pattern, load_function("--data", parse), flag)
+    records = ParsedRecords(RecordFiles(paths, flag), load_function("--data", parse), flag)
     return records.examples(), records.files.rows, records
 
 
