@@ -5,7 +5,8 @@ is its elements [t*B, (t+1)*B). Every rank that reads examples reads each global
 and keeps its share, as tf.data's DATA sharding policy does, so the batches are the same under
 every strategy and rank count, and a run resumed at step s starts reading at element s*B
 (`skip`), whatever the rank count was. Only a rank that uses examples reads: a pipeline's
-middle stages never do. Held-out data is read into memory once.
+middle stages never do. The next global batch is read ahead while a step computes. Held-out
+data is read into memory once.
 """
 
 from __future__ import annotations
@@ -115,7 +116,8 @@ class _Window:
     def _read_from(self, position: int) -> None:
         aligned = position - position % self.batch  # global batches start at multiples of B
         if self.iterator is None or aligned != self.next:
-            batches = self.dataset.skip(aligned).batch(self.batch)
+            # prefetch: tf.data's own thread reads the next global batch while this one trains
+            batches = self.dataset.skip(aligned).batch(self.batch).prefetch(1)
             self.iterator, self.next = batches.as_numpy_iterator(), aligned
         self.start, self.values = self.next, next(self.iterator)
         self.next += self._size()

@@ -5,6 +5,7 @@ model, model file or flag combination is refused in one line."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -67,7 +68,10 @@ def test_every_zoo_model_under_every_strategy_updates_as_keras_fit_does(ranks, g
 LAUNCHES = {
     "single": ([], ["--strategy", "single"]),
     "data-horovodrun": (["horovodrun", "-np", "2", "-H", "localhost:2"], ["--strategy", "data"]),
-    "data-mpirun": (["mpirun", "--oversubscribe", "-np", "2"], ["--strategy", "data"]),
+    "data-mpirun": (  # with the CLI's accumulation and bucket flags, which keep it exact
+        ["mpirun", "--oversubscribe", "-np", "2"],
+        ["--strategy", "data", "--accumulate", "2", "--bucket-mb", "1"],
+    ),
     "data-mpirun-fit": (  # the user's own model.fit on each rank, gradients allreduced
         ["mpirun", "--oversubscribe", "-np", "2"],
         ["--strategy", "data", "--loop", "fit"],
@@ -92,6 +96,8 @@ def test_the_cli_trains_a_users_model_as_keras_fit_does(launch, reference, tmp_p
     assert comparison.ok, comparison.describe()
     reported = json.loads(metrics.read_text())
     assert reported["steps"] == STEPS and reported["epochs"] == 1
+    if "--accumulate" in strategy:  # the flags reached the run
+        assert reported["config"]["accumulate"] == 2 and reported["config"]["bucket_mb"] == 1
     check = f"""
 import json, sys
 sys.path.insert(0, {str(USER_MODELS.parent)!r})
@@ -210,9 +216,6 @@ PIPELINE = ["--strategy", "pipeline", "--steps", "1", "--batch-size", "32"]
     "model,args,needle",
     [
         ("subclassed", PIPELINE, "is subclassed (no layer graph)"),
-        ("shared_at_both_ends", PIPELINE, "too few for 2 stages; the largest that cannot be cut"),
-        (GOOD, [*PIPELINE, "--split-at", "no_such_layer"], "--split-at no_such_layer: no such"),
-        (GOOD, [*PIPELINE, "--split-at", "block_conv2"], "lies inside the block block_conv1"),
         ("synchronized_norm", ["--strategy", "data", "--steps", "1"], "synchronized=True"),
         (
             GOOD,
@@ -221,11 +224,39 @@ PIPELINE = ["--strategy", "pipeline", "--steps", "1", "--batch-size", "32"]
         ),
     ],
 )
-def test_a_graph_that_cannot_be_cut_as_asked_is_refused_in_one_line(
+def test_a_model_that_cannot_train_as_asked_is_refused_in_one_line_on_every_rank(
     model, args, needle, bad_models
 ):
     target = model if ":" in model else f"{bad_models}:{model}"
     said_once(train_under_mpirun("--model", target, *args), EXIT_USAGE, needle)
+
+
+@pytest.mark.parametrize(
+    "function,split_at,needle",
+    [
+        ("shared_at_both_ends", None, "too few for 2 stages; the largest that cannot be cut"),
+        ("residual_cnn", ["no_such_layer"], "--split-at no_such_layer: no such layer"),
+        ("residual_cnn", ["block_conv2"], "lies inside the block block_conv1"),
+    ],
+)
+def test_a_cut_that_cannot_be_made_is_refused_in_one_line(function, split_at, needle, bad_models):
+    """The graph's own refusals, in process: the runs above show how such a line ends a run."""
+    from ringtrain.errors import UserError
+    from ringtrain.keras_model.graph import split_graph
+
+    sys.path.insert(0, str(USER_MODELS.parent))
+    import user_models
+
+    spec = importlib.util.spec_from_file_location("bad_models", bad_models)
+    bad = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bad)
+    model = getattr(user_models, function, None) or getattr(bad, function)
+    (x, _), _ = user_models.digits_split()
+    with pytest.raises(UserError, match=re.escape(needle)) as refused:
+        split = split_graph(model(), x[:4])
+        split.check(2)
+        split.bounds_at(split_at, 2)
+    assert "\n" not in str(refused.value)
 
 
 def test_a_users_model_stops_and_resumes_to_the_same_weights_as_an_unbroken_run(tmp_path):
