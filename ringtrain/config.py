@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import tempfile
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import asdict, dataclass, field, fields
@@ -409,6 +410,26 @@ def positive_whole_number(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"want a whole number >= 1, got {text!r}")
     return int(text)
+
+
+_SIZE = re.compile(r"^(\d+(?:\.\d+)?)([KMGT]?)(i?B)?$", re.IGNORECASE)
+
+
+def byte_size(what: str) -> Callable[[str], int]:
+    """An argparse type for an amount of memory: BYTES, or a number with K, M, G or T (powers
+    of 1024, so 300M is 300 MiB). `what` names it in the refusal of zero, e.g. "a rank's
+    memory"; `plan --memory-per-rank` and `cluster up --mem-per-node` read sizes alike."""
+
+    def parse(text: str) -> int:
+        found = _SIZE.match(text.strip())
+        if not found:
+            raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 2G or 512M)")
+        value = int(float(found.group(1)) * 1024 ** " KMGT".index(found.group(2).upper() or " "))
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{what} must be above zero, got {text!r}")
+        return value
+
+    return parse
 
 
 TEXT_TO = {int: _whole_number, float: float}  # str stays text; a shape is read by config

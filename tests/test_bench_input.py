@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 from test_bench import quick_bench, rounds_per_contender
 
-from ringtrain.bench.input_bench import DISK, MEMORY, TARGETS, cgroup_parent
+from ringtrain.bench.input_bench import DISK, MEMORY, TARGETS
+from ringtrain.cluster.memory import memory_parent
 
 
 @pytest.mark.mpi
 def test_bench_input_quick(tmp_path):
-    parent, _ = cgroup_parent()
+    parent, _ = memory_parent("bench input")
     before = sorted(p.name for p in parent.iterdir() if p.is_dir())
     report = quick_bench("input", tmp_path)
     assert sorted(p.name for p in parent.iterdir() if p.is_dir()) == before

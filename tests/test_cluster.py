@@ -25,6 +25,7 @@ import pytest
 from conftest import BIN, ENV, REFERENCE_FLAGS, ROOT, compare_weight_files, load_npz, run
 
 from ringtrain.cluster import layout as cluster_layout
+from ringtrain.cluster.memory import groups_folder, oom_kills
 from ringtrain.cluster.slurm import SlurmCluster
 from ringtrain.cluster.system import alive, netns_pids
 
@@ -482,6 +483,66 @@ def test_doctor_names_the_node_whose_ssh_path_lacks_ringtrain_and_the_one_refusi
         cluster("down")
 
 
+# --- a cluster of its own: memory-capped nodes ------------------------------------------------
+
+CAP_MIB = 300
+ALLOCATE = """
+import sys
+print("memory cgroup", open("/proc/self/cgroup").read().split("memory:")[-1].split()[0])
+held = []
+for step in range(int(sys.argv[1])):
+    held.append(bytearray(50 * 2**20))  # zero-filled: every page is touched
+    print(f"holding {50 * (step + 1)} MiB", flush=True)
+print("done", flush=True)
+"""
+
+
+def test_memory_capped_node_kills_what_goes_over_and_slurm_refuses_more_than_the_cap(tmp_path):
+    """--mem-per-node 300M: the node's sshd and slurmd are in its memory cgroup, so a process
+    started over ssh that grows past the cap is killed by the kernel (SIGKILL, an OOM kill in
+    the cgroup's record) while one below it finishes; Slurm knows the node as RealMemory=300,
+    refuses a job asking for more at submission and runs one asking for less, inside the
+    cgroup. A group left over from an earlier cluster is made anew; `down` removes it."""
+    require_root()
+    script = tmp_path / "allocate.py"
+    script.write_text(ALLOCATE)
+    group = groups_folder() / "node1"
+    group.mkdir(parents=True)  # a leftover, without a cap
+    bring_up("--nodes", "1", "--slurm", "--mem-per-node", f"{CAP_MIB}M")
+    try:
+        assert json.loads((STATE / "state.json").read_text())["memory_groups"] == str(group.parent)
+        inside = (group / "cgroup.procs").read_text().split()
+        for daemon in ("node1/sshd.pid", "slurm/run/slurmd-node1.pid"):
+            assert (STATE / daemon).read_text().strip() in inside, (daemon, inside)
+        over = run(["ssh", "node1", f"python3 {script} 10; echo exit=$?"], timeout=60)
+        print(over.stdout)
+        assert "exit=137" in over.stdout and "done" not in over.stdout, over  # 128 + SIGKILL
+        assert "ringtrain-cluster/node1" in over.stdout, over.stdout
+        assert oom_kills(group) == 1
+        under = cluster("exec", "node1", "--", "python3", str(script), "2")
+        assert under.returncode == 0 and "done" in under.stdout, under
+        status = cluster("status").stdout
+        assert f"memory cap {CAP_MIB} MiB" in status and "1 OOM kills" in status, status
+        env = {**ENV, "SLURM_CONF": str(STATE / "slurm" / "etc" / "slurm.conf")}
+        node = run_with(env, ["scontrol", "show", "node", "node1"]).stdout
+        assert f"RealMemory={CAP_MIB} " in node, node
+        more = ["sbatch", f"--mem={CAP_MIB + 1}M", "--wrap", "true"]
+        refused = run_with(env, more, cwd=tmp_path)
+        print(refused.stderr)
+        assert refused.returncode == 1, refused
+        assert "Requested node configuration is not available" in refused.stderr, refused
+        job = f'echo "mem $SLURM_MEM_PER_NODE"; python3 {script} 2'
+        harness = SlurmCluster(env, STATE / "slurm")
+        for asked, given in (["--mem=200M"], 200), ([], CAP_MIB):  # without --mem: the node's
+            record, code = harness.sbatch_wait([*asked, "--wrap", job], cwd=tmp_path)
+            output = Path(record.fields["StdOut"]).read_text()
+            assert (record.state, code) == ("COMPLETED", 0), output
+            assert f"mem {given}\n" in output and "ringtrain-cluster/node1" in output, output
+    finally:
+        cluster("down")
+    assert not group.parent.exists()
+
+
 # --- bad input ----------------------------------------------------------------------------
 
 
@@ -498,6 +559,31 @@ def test_cluster_up_without_root_is_one_line():
     done = run([*nobody, CLI, "cluster", "up", "--nodes", "2"], timeout=60)
     one_line(done, 2, "ringtrain cluster: error: `ringtrain cluster up` needs root")
     assert done.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "size, needle",
+    [
+        ("0", "argument --mem-per-node: a node's memory must be above zero, got '0'"),
+        ("abc", "argument --mem-per-node: not a size in bytes: 'abc' (e.g. 2G or 512M)"),
+        ("12Q", "argument --mem-per-node: not a size in bytes: '12Q'"),
+        ("10M", "--mem-per-node of 10 MiB is too small: give at least 64M"),
+    ],
+)
+def test_bad_memory_cap_is_one_line_before_anything_is_made(size, needle):
+    require_root()
+    done = cluster("up", "--nodes", "1", "--mem-per-node", size)
+    one_line(done, 2, needle)
+    assert done.stderr.count("\n") == 1, done.stderr
+
+
+def test_memory_cap_without_a_memory_controller_is_one_line():
+    """A mount namespace whose /sys/fs/cgroup is an empty tmpfs: a host without cgroups."""
+    require_root()
+    without = ["unshare", "--mount", "sh", "-c", 'mount -t tmpfs none /sys/fs/cgroup && "$@"', "-"]
+    done = run([*without, CLI, "cluster", "up", "--nodes", "1", "--mem-per-node", "1G"])
+    one_line(done, 2, "--mem-per-node needs a memory cgroup controller")
+    assert done.stderr.count("\n") == 1, done.stderr
 
 
 def test_network_matching_no_interface_is_one_line():

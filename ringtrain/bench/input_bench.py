@@ -40,6 +40,7 @@ from ringtrain.bench.common import (
     summarise_contenders,
 )
 from ringtrain.bounded import RunFailed, last_words, run_bounded
+from ringtrain.cluster.memory import join, memory_parent, set_limit
 from ringtrain.errors import UserError
 from ringtrain.launch.mpirun import binding_flags, mpi_env, mpirun_command
 
@@ -163,28 +164,10 @@ def write_sources(work: Path, examples: int) -> tuple[Path, Path]:
 # ---- the memory cgroups, the page cache, the ranks' /proc ---------------------------------
 
 
-def cgroup_parent() -> tuple[Path, str]:
-    """The folder this process's memory cgroup is (children go there: the bench stays under
-    whatever limit it runs under) and the version, v1 or v2."""
-    lines = Path("/proc/self/cgroup").read_text().splitlines()
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(","):
-            return Path("/sys/fs/cgroup/memory") / path.lstrip("/"), "v1"
-    unified = next((ln.split(":", 2)[2] for ln in lines if ln.startswith("0::")), None)
-    parent = Path("/sys/fs/cgroup") / (unified or "/").lstrip("/")
-    if unified is not None and "memory" in (parent / "cgroup.subtree_control").read_text():
-        return parent, "v2"
-    raise UserError(
-        "bench input needs a memory cgroup it may make children in (root, cgroup v1's memory "
-        "controller or v2 with memory delegated); none is here"
-    )
-
-
 @contextmanager
 def memory_cgroup(name: str, limit: int | None) -> Iterator[Path]:
     """A child memory cgroup (with `limit` bytes, if given), removed afterwards."""
-    parent, version = cgroup_parent()
+    parent, _ = memory_parent("bench input")
     group = parent / f"ringtrain-input-bench-{os.getpid()}-{name}"
     try:
         group.mkdir()
@@ -194,9 +177,7 @@ def memory_cgroup(name: str, limit: int | None) -> Iterator[Path]:
         ) from None
     try:
         if limit is not None:
-            (group / ("memory.limit_in_bytes" if version == "v1" else "memory.max")).write_text(
-                str(limit)
-            )
+            set_limit(group, limit)
         yield group
     finally:
         for _ in range(50):  # its last processes may still be exiting
@@ -205,12 +186,6 @@ def memory_cgroup(name: str, limit: int | None) -> Iterator[Path]:
                 break
             except OSError:
                 time.sleep(0.1)
-
-
-def in_cgroup(group: Path, command: list[str]) -> list[str]:
-    """The command, run from a shell that first moves itself into the cgroup: mpirun and every
-    rank it starts are born inside it."""
-    return ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(group), *command]
 
 
 def drop_page_cache() -> None:
@@ -319,7 +294,7 @@ def launch(contender: str, command: list[str], group: Path, work: Path, budget: 
     log = work / f"{contender.replace(' ', '_')}.log"
     started = time.perf_counter()
     with RankSampler(group) as sampler:
-        run_bounded(in_cgroup(group, command), mpi_env(1), budget, log, quiet=True)
+        run_bounded([*join(group), *command], mpi_env(1), budget, log, quiet=True)
     seconds = time.perf_counter() - started
     metrics = json.loads(out.read_text())
     read = sampler.read_bytes()
@@ -341,7 +316,7 @@ def pipeline_alone(set_folder: Path, group: Path, seconds: float, logs: Path) ->
     """bench/input_worker in the disk's cgroup, from a cold cache: its protocol line."""
     drop_page_cache()
     worker = [sys.executable, "-m", "ringtrain.bench.input_worker"]
-    command = in_cgroup(group, [*worker, str(set_folder / "*.tfrecord"), str(seconds)])
+    command = [*join(group), *worker, str(set_folder / "*.tfrecord"), str(seconds)]
     log = logs / "pipeline_alone.log"
     run_bounded(command, mpi_env(1), LAUNCH_SECONDS, log, quiet=True)
     said = [ln for ln in log.read_text().splitlines() if ln.startswith(PROTOCOL)]
@@ -394,7 +369,7 @@ def measure(args: argparse.Namespace) -> dict:
         "steps_per_launch": steps,
         "memory_examples": steps * BATCH,
         "cgroup": {
-            "version": cgroup_parent()[1],
+            "version": memory_parent("bench input")[1],
             "disk_limit_bytes": MEMORY_LIMIT,
             "disk_peak_bytes": cgroup_peak,
             "set_exceeds_limit": dataset["bytes"] > MEMORY_LIMIT,

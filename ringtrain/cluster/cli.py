@@ -13,6 +13,7 @@ import sys
 
 from ringtrain.cluster import control, faults
 from ringtrain.cluster.layout import DEFAULT_SUBNET
+from ringtrain.config import byte_size
 from ringtrain.errors import EXIT_PROBLEMS
 
 
@@ -33,6 +34,14 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         metavar="K",
         help="cores each node is pinned to (default 1: a distinct core per node, cycling)",
+    )
+    up.add_argument(
+        "--mem-per-node",
+        type=byte_size("a node's memory"),
+        metavar="SIZE",
+        help="cap each node's memory, e.g. 2G or 300M (K, M, G, T: powers of 1024): a memory "
+        "cgroup holds all it runs, so the kernel kills what goes over; Slurm gets it as "
+        "RealMemory",
     )
     up.add_argument("--slurm", action="store_true", help="slurmctld here, one slurmd per node")
     up.add_argument("--subnet", default=DEFAULT_SUBNET, metavar="CIDR")
@@ -68,7 +77,9 @@ def run_cluster_command(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    spec = control.up(args.nodes, args.subnet, args.link, args.cpus_per_node, args.slurm)
+    spec = control.up(
+        args.nodes, args.subnet, args.link, args.cpus_per_node, args.slurm, args.mem_per_node
+    )
     print(control.summary(spec), flush=True)
     return 0
 

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ringtrain.cluster import ssh
+from ringtrain.cluster import memory, ssh
 from ringtrain.cluster.layout import (
     BRIDGE,
     HOSTS_MARKER,
@@ -76,16 +76,28 @@ class Spec:
     cores: list[int]
     node_path: str
     created_privsep_dir: bool
+    mem_per_node: int | None = None  # bytes
+    memory_groups: str | None = None  # the folder of the nodes' memory cgroups
 
     def layout(self) -> Layout:
-        return plan(self.nodes, self.subnet, self.link, self.cpus_per_node, self.cores)
+        groups = Path(self.memory_groups) if self.memory_groups else None
+        return plan(
+            self.nodes,
+            self.subnet,
+            self.link,
+            self.cpus_per_node,
+            self.cores,
+            self.mem_per_node,
+            groups,
+        )
 
 
 def enter_node(node: Node) -> list[str]:
-    """The command prefix that runs a program on `node`: its network and UTS namespaces, its
-    cores. `nsenter --net` keeps this host's mounts (`ip netns exec` remounts /sys, which
-    hides /sys/fs/cgroup from slurmd)."""
+    """The command prefix that runs a program on `node`: its memory cgroup if it is capped,
+    its network and UTS namespaces, its cores. `nsenter --net` keeps this host's mounts
+    (`ip netns exec` remounts /sys, which hides /sys/fs/cgroup from slurmd)."""
     return [
+        *(memory.join(node.memory_group) if node.memory_group else []),
         "nsenter",
         f"--net={node.netns_path}",
         f"--uts={node.uts_path}",
@@ -98,10 +110,18 @@ def enter_node(node: Node) -> list[str]:
 # --- up -----------------------------------------------------------------------------------
 
 
-def up(nodes: int, subnet: str, link: str | None, cpus_per_node: int, slurm: bool) -> Spec:
+def up(
+    nodes: int,
+    subnet: str,
+    link: str | None,
+    cpus_per_node: int,
+    slurm: bool,
+    mem_per_node: int | None = None,
+) -> Spec:
     """Create the cluster; on any failure remove what was created and raise."""
     require_root("up")
-    layout = plan(nodes, subnet, link, cpus_per_node)
+    groups = memory.groups_folder() if mem_per_node is not None else None
+    layout = plan(nodes, subnet, link, cpus_per_node, None, mem_per_node, groups)
     require_tools(NETWORK_TOOLS, "install iproute2, util-linux and openssh-client")
     if not Path(ssh.SSHD).exists():
         raise UserError(f"no {ssh.SSHD}: install openssh-server")
@@ -122,11 +142,15 @@ def up(nodes: int, subnet: str, link: str | None, cpus_per_node: int, slurm: boo
             sorted(os.sched_getaffinity(0)),
             node_path,
             created_privsep_dir=not ssh.PRIVSEP_DIR.exists(),
+            mem_per_node=mem_per_node,
+            memory_groups=str(groups) if groups else None,
         )
         STATE_DIR.mkdir(parents=True)
         STATE_FILE.write_text(json.dumps(asdict(spec), indent=1))
         try:
             _create_network(layout)
+            if mem_per_node is not None:
+                memory.create([n.memory_group for n in layout.nodes], mem_per_node)
             add_host_lines([f"{n.address} {n.name}" for n in layout.nodes], HOSTS_MARKER)
             ssh.write_keys_and_configs(layout, node_path)
             ssh.PRIVSEP_DIR.mkdir(mode=0o755, exist_ok=True)
@@ -241,7 +265,11 @@ def wait_for_ssh(node: Node, timeout: float = 20) -> None:
 
 
 def slurm_nodes(layout: Layout) -> list[SlurmNode]:
-    return [SlurmNode(n.name, n.address, len(n.cores), tuple(enter_node(n))) for n in layout.nodes]
+    """Each node's slurmd, declaring the node's memory cap (in MiB) if it has one."""
+    mib = layout.mem_per_node // memory.MIB if layout.mem_per_node else None
+    return [
+        SlurmNode(n.name, n.address, len(n.cores), tuple(enter_node(n)), mib) for n in layout.nodes
+    ]
 
 
 def slurm_cluster(layout: Layout) -> SlurmCluster:
@@ -285,7 +313,8 @@ def summary(spec: Spec) -> str:
     )
     lines = [
         f"cluster up: {len(slots)} nodes on {layout.cidr}, this host is {layout.host_address} on "
-        f"{BRIDGE}; link {spec.link or 'uncapped'}; Slurm {'yes' if spec.slurm else 'no'}",
+        f"{BRIDGE}; link {spec.link or 'uncapped'}; memory {_cap(spec)}; "
+        f"Slurm {'yes' if spec.slurm else 'no'}",
         *(f"  {x.name:8} {x.address:15} cores {core_list(x.cores)}" for x in layout.nodes),
         f"hostfiles: {MPIRUN_HOSTFILE} (mpirun), {HOROVOD_HOSTFILE} (horovodrun)",
         f"ssh: `ssh node1` works from this host (keys in {ssh.SSH_DIR}, "
@@ -312,6 +341,12 @@ def summary(spec: Spec) -> str:
     return "\n".join(lines)
 
 
+def _cap(spec: Spec) -> str:
+    if spec.mem_per_node is None:
+        return "uncapped"
+    return f"capped at {spec.mem_per_node // memory.MIB} MiB per node ({spec.memory_groups})"
+
+
 # --- status and exec ------------------------------------------------------------------------
 
 
@@ -333,18 +368,24 @@ def status() -> tuple[str, bool]:
     spec = read_spec()
     layout = spec.layout()
     healthy = True
-    lines = [f"cluster: {spec.nodes} nodes on {layout.cidr}, link {spec.link or 'uncapped'}"]
+    lines = [
+        f"cluster: {spec.nodes} nodes on {layout.cidr}, link {spec.link or 'uncapped'}, "
+        f"memory {_cap(spec)}"
+    ]
     states = slurm_cluster(layout).node_states() if spec.slurm else {}
     for node in layout.nodes:
+        cap = node.memory_group and spec.mem_per_node
         sshd = pid_from_file(ssh.sshd_pid_path(node), "sshd")
         present = node.netns_path.exists()
         slurm_state = states.get(node.name, "missing") if spec.slurm else ""
         healthy &= present and sshd is not None and slurm_state in ("", "idle", "alloc", "mix")
+        healthy &= not cap or node.memory_group.is_dir()
         lines.append(
             f"  {node.name:8} {node.address:15} cores {core_list(node.cores):6} "
             f"namespace {'yes' if present else 'MISSING'}, "
             f"sshd {'running' if sshd else 'NOT RUNNING'}"
             + (f", slurmd {slurm_state}" if spec.slurm else "")
+            + (f", {memory.describe(node.memory_group, spec.mem_per_node)}" if cap else "")
         )
     if spec.slurm:
         lines.append(f"  export SLURM_CONF={SLURM_ROOT / 'etc' / 'slurm.conf'}")
@@ -362,7 +403,8 @@ def exec_on_node(name: str, command: list[str]) -> None:
     if not node.netns_path.exists():
         raise UserError(f"{name}'s namespace is gone: run `ringtrain cluster down`, then up")
     os.environ["PATH"] = tool_path()
-    os.execvp("nsenter", [*enter_node(node), *command])
+    prefix = enter_node(node)  # a capped node's: a shell that joins its cgroup first
+    os.execvp(prefix[0], [*prefix, *command])
 
 
 # --- down -----------------------------------------------------------------------------------
@@ -404,10 +446,25 @@ def down() -> list[str]:
     created_privsep = spec is not None and spec.created_privsep_dir
     if created_privsep and ssh.PRIVSEP_DIR.exists() and not any(ssh.PRIVSEP_DIR.iterdir()):
         ssh.PRIVSEP_DIR.rmdir()
+    folder = _memory_groups(spec)
+    groups = memory.remove(folder) if folder else []
+    if groups:
+        removed.append(f"memory cgroups {', '.join(groups)}")
     if STATE_DIR.exists():
         shutil.rmtree(STATE_DIR)
         removed.append(f"{STATE_DIR} (keys, configurations, hostfiles, logs)")
     return removed
+
+
+def _memory_groups(spec: Spec | None) -> Path | None:
+    """The folder of the nodes' memory cgroups: as recorded, or where this process's `up`
+    would have made it (the state file may be lost)."""
+    if spec is not None and spec.memory_groups:
+        return Path(spec.memory_groups)
+    try:
+        return memory.groups_folder()
+    except UserError:  # no memory controller: no groups either
+        return None
 
 
 def _netns_names() -> list[str]:

@@ -25,6 +25,7 @@ FIRST_NODE_HOST = 11  # node K is the subnet's address number 10 + K; the launch
 MAX_LINK_BITS = 10 * 10**9  # TCP over veth is CPU-bound at a few Gbit/s here
 _RATE = re.compile(r"([0-9]+(?:\.[0-9]+)?)(bit|kbit|mbit|gbit)")
 _RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
+MIN_NODE_MEMORY = 64 * 2**20  # a node's sshd and slurmd live inside its cap too
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class Node:
     name: str  # its hostname, node1..nodeN
     address: str  # on the cluster subnet
     cores: tuple[int, ...]  # everything started on the node is pinned here
+    memory_group: Path | None = None  # the memory cgroup everything on it is born in, if capped
 
     @property
     def netns(self) -> str:
@@ -63,6 +65,7 @@ class Layout:
     nodes: tuple[Node, ...]
     link_bits: int | None  # None: uncapped
     link: str | None  # as the user wrote it, for tc
+    mem_per_node: int | None = None  # bytes; None: uncapped
 
     @property
     def cidr(self) -> str:
@@ -82,8 +85,11 @@ def plan(
     link: str | None = None,
     cpus_per_node: int = 1,
     cores: list[int] | None = None,
+    mem_per_node: int | None = None,
+    memory_groups: Path | None = None,
 ) -> Layout:
-    """Check the request and lay the cluster out; every bad value is a one-line UserError."""
+    """Check the request and lay the cluster out; every bad value is a one-line UserError.
+    With a memory cap, node K's cgroup is `memory_groups`/nodeK."""
     if not 1 <= nodes <= MAX_NODES:
         raise UserError(f"--nodes {nodes}: give 1 to {MAX_NODES}")
     network = parse_subnet(subnet)
@@ -96,6 +102,12 @@ def plan(
             f"--cpus-per-node {cpus_per_node}: this machine gives 1 to {len(available)} cores"
         )
     link_bits = parse_rate(link) if link is not None else None
+    if mem_per_node is not None and mem_per_node < MIN_NODE_MEMORY:
+        raise UserError(
+            f"--mem-per-node of {mem_per_node / 2**20:g} MiB is too small: give at least "
+            f"{MIN_NODE_MEMORY // 2**20}M (the node's sshd and slurmd run inside the cap)"
+        )
+    capped = mem_per_node is not None and memory_groups is not None
     laid_out = tuple(
         Node(
             name=f"node{k + 1}",
@@ -103,10 +115,11 @@ def plan(
             cores=tuple(
                 available[(k * cpus_per_node + j) % len(available)] for j in range(cpus_per_node)
             ),
+            memory_group=memory_groups / f"node{k + 1}" if capped else None,
         )
         for k in range(nodes)
     )
-    return Layout(network, str(hosts[0]), laid_out, link_bits, link)
+    return Layout(network, str(hosts[0]), laid_out, link_bits, link, mem_per_node)
 
 
 def parse_subnet(text: str) -> ipaddress.IPv4Network:

@@ -15,7 +15,12 @@ Two shapes, one harness:
   The controller then runs on the launching host under the name `hostname` prints (any other
   name and slurmctld says "This host not a valid controller"), at its bridge address.
 
-No systemd and no cgroups: `ProctrackType=proctrack/linuxproc`, `TaskPlugin=task/none`.
+No systemd and no cgroups of Slurm's own: `ProctrackType=proctrack/linuxproc`,
+`TaskPlugin=task/none`. A node with a memory cap (`cluster up --mem-per-node`, enforced by the
+node's cgroup) declares it as RealMemory, and memory becomes a consumable resource
+(CR_Core_Memory), so a job asking for more than a node has is refused at submission. Without a
+cap Slurm keeps to CR_Core: with CR_Core_Memory and no RealMemory a node offers Slurm's default
+of 1 MB, and every job that asks for memory would be refused.
 Every daemon forks into the background itself and writes a PID file.
 """
 
@@ -85,13 +90,14 @@ esac
 
 @dataclass(frozen=True)
 class SlurmNode:
-    """One slurmd: its NodeName, NodeAddr and CPUs, and the command prefix that starts a
-    process on that node (empty: on this host)."""
+    """One slurmd: its NodeName, NodeAddr, CPUs and RealMemory (MiB, None: not tracked), and
+    the command prefix that starts a process on that node (empty: on this host)."""
 
     name: str
     address: str
     cpus: int
     enter: tuple[str, ...] = ()
+    memory_mib: int | None = None
 
 
 LOCAL = SlurmNode(LOCAL_NODE, "127.0.0.1", 8)
@@ -401,9 +407,15 @@ class SlurmCluster:
         else:
             controller = f"{self.controller[0]}({self.controller[1]})"
         node_lines = "\n".join(
-            f"NodeName={n.name} NodeAddr={n.address} CPUs={n.cpus} State=UNKNOWN"
+            f"NodeName={n.name} NodeAddr={n.address} CPUs={n.cpus}"
+            + (f" RealMemory={n.memory_mib}" if n.memory_mib else "")
+            + " State=UNKNOWN"
             for n in self.nodes
         )
+        capped = sorted(n.memory_mib for n in self.nodes if n.memory_mib)
+        consumable = "CR_Core_Memory" if capped else "CR_Core"
+        # A job without --mem gets its node's memory, and says so in SLURM_MEM_PER_NODE.
+        default_memory = f"DefMemPerNode={capped[0]}\n" if capped else ""
         return f"""\
 ClusterName=ringtrain
 SlurmctldHost={controller}
@@ -431,8 +443,8 @@ JobCompType=jobcomp/none
 SchedulerType=sched/backfill
 SchedulerParameters=batch_sched_delay=0,sched_interval=2,bf_interval=1
 SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-ReturnToService=2
+SelectTypeParameters={consumable}
+{default_memory}ReturnToService=2
 EnforcePartLimits=ALL
 SlurmdParameters=config_overrides
 FirstJobId={first_job_id}

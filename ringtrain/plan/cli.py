@@ -24,6 +24,7 @@ from ringtrain.bounded import RunFailed, run_bounded
 from ringtrain.config import (
     TrainConfig,
     add_train_arguments,
+    byte_size,
     check_values,
     is_model_function,
     positive_whole_number,
@@ -47,19 +48,6 @@ FINGERPRINT_KEYS = ("cpu_model", "cpus", "tensorflow", "horovod")
 # train's flags that plan takes: what it plans for.
 PLANNED_FLAGS = ("model", "dataset", "optimizer", "batch_size")
 COMPILED = "compiled"  # a user's model brings its optimizer: what its calibration records
-SIZE = re.compile(r"^(\d+(?:\.\d+)?)([KMGT]?)(i?B)?$", re.IGNORECASE)
-
-
-def _bytes(text: str) -> int:
-    """BYTES, or a number with K, M, G or T (powers of 1024)."""
-    found = SIZE.match(text.strip())
-    if not found:
-        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 2G or 512M)")
-    scale = 1024 ** " KMGT".index(found.group(2).upper() or " ")
-    value = int(float(found.group(1)) * scale)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"a rank's memory must be above zero, got {text!r}")
-    return value
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
@@ -69,7 +57,11 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(optimizer=None)  # absent unless typed: a compiled model refuses it
     p.add_argument("--nodes", type=positive_whole_number, default=1)
     p.add_argument("--ranks-per-node", type=positive_whole_number, default=2)
-    p.add_argument("--memory-per-rank", type=_bytes, help="bytes a rank may hold (e.g. 2G)")
+    p.add_argument(
+        "--memory-per-rank",
+        type=byte_size("a rank's memory"),
+        help="bytes a rank may hold (e.g. 2G)",
+    )
     p.add_argument("--grid", help="only the grid DxP (D replicas of P stages)")
     p.add_argument(
         "--calibration",
