@@ -395,9 +395,14 @@ def input_table(report: dict) -> str:
         f"{w['optimizer']}, global batch {w['global_batch']} on {w['ranks']} ranks; "
         f"{report['steps_per_launch']} steps per launch, {report['rounds']} alternating "
         f"rounds{_mode(report)}. From memory: the set's first {report['memory_examples']:,} "
-        f"examples as arrays. From disk: page cache dropped before each launch, mpirun and its "
-        f"ranks in a memory cgroup ({cgroup['version']}) limited to "
-        f"{_gib(cgroup['disk_limit_bytes'])}, which peaked at "
+        f"examples as arrays. From disk: page cache dropped before each launch, "
+        + (
+            f"a rank on each of the rehearsal nodes {report['hosts']}, each node in a memory "
+            f"cgroup ({cgroup['version']}, both contenders) capped at "
+            if report.get("hosts")
+            else f"mpirun and its ranks in a memory cgroup ({cgroup['version']}) limited to "
+        )
+        + f"{_gib(cgroup['disk_limit_bytes'])}, which peaked at "
         f"{_gib(cgroup['disk_peak_bytes'])}. Pinning: {report['pinning']['rule']}."
     )
     return "\n".join(
@@ -710,7 +715,7 @@ PAGE_RESULTS = {
     ),
     "strategies.md": (("strategies", strategies_table),),
     "zoo.md": (("zoo", zoo_table),),
-    "input.md": (("input", input_table),),
+    "input.md": (("input", input_table), ("input-cluster", input_table)),
     "pipeline.md": (("pipeline", pipeline_table), ("pipeline-cluster", pipeline_table)),
     "pipeline-sizes.md": (("pipeline-sizes", sizes_table),),
     "planning.md": (

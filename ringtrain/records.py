@@ -124,6 +124,9 @@ class ParsedRecords(ReadAhead):
         self.options.threading.private_threadpool_size = max(
             1, tf.config.threading.get_intra_op_parallelism_threads()
         )
+        # Traced once: a Dataset built per batch traced `parse` anew each time, which cost
+        # four times the parsing itself (20 ms against 5 for 128 images of 64x64x3).
+        self._parsed = tf.function(self._parsed_graph, reduce_retracing=True)
         first = self._batch(np.arange(1))
         if not (isinstance(first, tuple) and len(first) == 2):
             raise UserError(f"{flag}: the parse function must return (features, label)")
@@ -164,13 +167,20 @@ class ParsedRecords(ReadAhead):
     def _run(self, records: list[bytes]):
         from ringtrain.tensorflow_loader import tf
 
-        parsed = (
-            tf.data.Dataset.from_tensor_slices(tf.constant(records, tf.string))
+        parsed = self._parsed(tf.constant(records, tf.string))
+        return tf.nest.map_structure(np.asarray, parsed)
+
+    def _parsed_graph(self, records):
+        """The records parsed in parallel by tf.data and batched whole, inside one graph."""
+        from ringtrain.tensorflow_loader import tf
+
+        return (
+            tf.data.Dataset.from_tensor_slices(records)
             .map(self.parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-            .batch(len(records))
+            .batch(tf.shape(records, out_type=tf.int64)[0])
             .with_options(self.options)
+            .get_single_element()
         )
-        return tf.nest.map_structure(np.asarray, parsed.get_single_element())
 
     def _check(self, value, indices: np.ndarray) -> None:
         from ringtrain.streamed import parts
@@ -201,7 +211,9 @@ def _said(exc: Exception) -> str:
         return type(exc).__name__
     if lines[0].startswith("in user code:"):  # a Python error while tracing: its last line
         return lines[-1]
-    return TF_MAP_PREFIX.sub("", TF_OP_NAMES.sub("", lines[0]))
+    # a graph's error: a header and where the op was made, then the map's line that says it
+    said = next((line for line in lines if TF_MAP_PREFIX.match(line)), lines[0])
+    return TF_MAP_PREFIX.sub("", TF_OP_NAMES.sub("", said))
 
 
 def parsed_records(pattern: str, parse: Callable, flag: str) -> ParsedRecords:

@@ -42,5 +42,5 @@ def test_bench_input_quick(tmp_path):
     assert alone["records"] > 0 and alone["records_per_sec"] > 0 and alone["mb_per_sec"] > 0
     assert report["cgroup"]["disk_peak_bytes"] <= report["cgroup"]["disk_limit_bytes"]
     assert report["profile"]["disk_step_ms"] > 0
-    assert "not" in report["cluster"]
+    assert report["hosts"] is None and report["where"] == "one host"
     assert report["pinning"]["mpirun_flags"] == ["--bind-to", "core"]

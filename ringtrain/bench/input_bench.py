@@ -40,9 +40,10 @@ from ringtrain.bench.common import (
     summarise_contenders,
 )
 from ringtrain.bounded import RunFailed, last_words, run_bounded
+from ringtrain.cluster import control
 from ringtrain.cluster.memory import join, memory_parent, set_limit
 from ringtrain.errors import UserError
-from ringtrain.launch.mpirun import binding_flags, mpi_env, mpirun_command
+from ringtrain.launch.mpirun import binding_flags, host_flags, mpi_env, mpirun_command
 
 SHAPE, CLASSES, SEED = (64, 64, 3), 10, 0
 BATCH, LR = 256, 0.01
@@ -107,6 +108,11 @@ NOTES = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--hosts",
+        help="two nodes of a rehearsal cluster brought up with --mem-per-node below the set's "
+        "size, e.g. node1,node2: a rank on each, under its node's memory cap",
+    )
     p.add_argument(
         "--data-dir",
         help="where the synthetic set is made, and reused when complete (default: "
@@ -220,11 +226,11 @@ def is_rank(pid: int) -> bool:
 
 
 class RankSampler:
-    """The ranks of a cgroup, sampled on a thread while they run: each one's VmHWM and the
+    """The ranks in some cgroups, sampled on a thread while they run: each one's VmHWM and the
     bytes it read from storage, as last seen (both only grow)."""
 
-    def __init__(self, group: Path):
-        self.group = group
+    def __init__(self, groups: list[Path]):
+        self.groups = groups
         self.seen: dict[int, tuple[int, int]] = {}  # pid -> (VmHWM, read_bytes)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -239,10 +245,12 @@ class RankSampler:
 
     def _run(self) -> None:
         while not self._stop.wait(SAMPLE_SECONDS):
-            try:
-                pids = [int(p) for p in (self.group / "cgroup.procs").read_text().split()]
-            except OSError:
-                continue
+            pids = []
+            for group in self.groups:
+                try:
+                    pids += [int(p) for p in (group / "cgroup.procs").read_text().split()]
+                except OSError:
+                    continue
             for pid in filter(is_rank, pids):
                 high = proc_field(pid, "status", "VmHWM")
                 read = proc_field(pid, "io", "read_bytes")
@@ -266,11 +274,42 @@ def cgroup_figure(group: Path, v1: str, v2: str) -> int | None:
     return None
 
 
+# ---- where the ranks run ------------------------------------------------------------------
+
+
+def node_groups(hosts: str) -> tuple[list[Path], int]:
+    """The memory cgroups of the rehearsal nodes `hosts` names, and their cap: each rank runs
+    under its node's cap, as on a cluster node whose memory its jobs share."""
+    spec = control.read_spec()
+    if spec.mem_per_node is None:
+        raise UserError(
+            "bench input --hosts needs a cluster brought up with --mem-per-node below the "
+            "set's size: the nodes' caps keep the set out of memory"
+        )
+    groups = {node.name: node.memory_group for node in spec.layout().nodes}
+    names = hosts.split(",")
+    unknown = [name for name in names if name not in groups]
+    if unknown:
+        raise UserError(f"--hosts {hosts}: no node {unknown[0]} (the cluster has {sorted(groups)})")
+    return [groups[name] for name in names], spec.mem_per_node
+
+
+def placement_flags(hosts: str | None) -> list[str]:
+    """Both contenders alike: a rank bound to each core of this host, or a rank on each node."""
+    return host_flags(hosts) if hosts else binding_flags("core")
+
+
 # ---- the launches -------------------------------------------------------------------------
 
 
 def train_command(
-    contender: str, set_folder: Path, model: Path, data: Path, steps: int, work: Path
+    contender: str,
+    set_folder: Path,
+    model: Path,
+    data: Path,
+    steps: int,
+    work: Path,
+    hosts: str | None = None,
 ) -> list[str]:
     """The contender's `mpirun ... ringtrain train`: the same model, batch, steps and pinning;
     only where the examples come from differs."""
@@ -282,18 +321,21 @@ def train_command(
         flags += ["--data-files", pattern, "--data", "ringtrain.synthetic_files:parse_image"]
     else:
         flags += ["--data", f"{data}:arrays"]
-    return mpirun_command(2, "ringtrain.cli", *flags, binding="core")
+    return mpirun_command(2, "ringtrain.cli", *flags, placement=placement_flags(hosts))
 
 
-def launch(contender: str, command: list[str], group: Path, work: Path, budget: float) -> dict:
-    """One `ringtrain train` in the cgroup: its metrics, and what the sampler saw."""
+def launch(
+    contender: str, command: list[str], group: Path, sampled: list[Path], work: Path, budget: float
+) -> dict:
+    """One `ringtrain train`, mpirun in the cgroup `group`: its metrics, and what the sampler
+    saw of the ranks in the cgroups `sampled` (the same group, or the nodes' groups)."""
     out = work / METRICS
     out.unlink(missing_ok=True)
     if contender == DISK:
         drop_page_cache()
     log = work / f"{contender.replace(' ', '_')}.log"
     started = time.perf_counter()
-    with RankSampler(group) as sampler:
+    with RankSampler(sampled) as sampler:
         run_bounded([*join(group), *command], mpi_env(1), budget, log, quiet=True)
     seconds = time.perf_counter() - started
     metrics = json.loads(out.read_text())
@@ -337,10 +379,18 @@ def measure(args: argparse.Namespace) -> dict:
     other order), then the pipeline alone."""
     examples, shards, steps, alone_seconds = SIZES["quick" if args.quick else "full"]
     limit = time.monotonic() + deadline(args.quick)
+    hosts = getattr(args, "hosts", None)
+    nodes, node_cap = node_groups(hosts) if hosts else ([], None)
+    disk_limit = node_cap or MEMORY_LIMIT
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         set_folder = synthetic_set(data_dir(args), examples, shards, work)
+        if hosts and not args.quick and (size := set_bytes(set_folder)) <= disk_limit:
+            raise UserError(
+                f"the set ({_gib(size)}) fits under the nodes' memory cap "
+                f"({_gib(disk_limit)}): bring the cluster up with a smaller --mem-per-node"
+            )
         model, data = write_sources(work, steps * BATCH)
         with (
             memory_cgroup("disk", MEMORY_LIMIT) as disk_group,
@@ -351,11 +401,15 @@ def measure(args: argparse.Namespace) -> dict:
                 shift = round_index % len(groups)
                 for contender in [*groups][shift:] + [*groups][:shift]:
                     budget = min(LAUNCH_SECONDS, max(1.0, limit - time.monotonic()))
-                    command = train_command(contender, set_folder, model, data, steps, work)
-                    found = launch(contender, command, groups[contender], work, budget)
+                    command = train_command(contender, set_folder, model, data, steps, work, hosts)
+                    group = groups[contender]
+                    found = launch(contender, command, group, nodes or [group], work, budget)
                     rows.append({"round": round_index, "contender": contender, **found})
             alone = pipeline_alone(set_folder, disk_group, alone_seconds, work)
-            cgroup_peak = cgroup_figure(disk_group, "memory.max_usage_in_bytes", "memory.peak")
+            peaks = [
+                cgroup_figure(group, "memory.max_usage_in_bytes", "memory.peak")
+                for group in nodes or [disk_group]
+            ]
     dataset = {
         "folder": str(set_folder),
         "examples": examples,
@@ -370,14 +424,20 @@ def measure(args: argparse.Namespace) -> dict:
         "memory_examples": steps * BATCH,
         "cgroup": {
             "version": memory_parent("bench input")[1],
-            "disk_limit_bytes": MEMORY_LIMIT,
-            "disk_peak_bytes": cgroup_peak,
-            "set_exceeds_limit": dataset["bytes"] > MEMORY_LIMIT,
+            "disk_limit_bytes": disk_limit,
+            "disk_peak_bytes": max((peak for peak in peaks if peak is not None), default=None),
+            "set_exceeds_limit": dataset["bytes"] > disk_limit,
         },
         "pinning": {
-            "rule": "both contenders alike: 2 ranks, each bound to a core, one compute thread "
-            "(RINGTRAIN_THREADS=1); the read-ahead and tf.data's parsing share the rank's core",
-            "mpirun_flags": binding_flags("core"),
+            "rule": "both contenders alike: 2 ranks, "
+            + (
+                "one on each node, under the node's memory cap (both contenders), "
+                if hosts
+                else "each bound to a core, "
+            )
+            + "one compute thread (RINGTRAIN_THREADS=1); the read-ahead and tf.data's parsing "
+            "share the rank's core",
+            "mpirun_flags": placement_flags(hosts),
         },
         "workload": {
             "model": "Rescaling(1/255), Conv2D 32, MaxPool, Conv2D 64, MaxPool, Conv2D 64, "
@@ -386,7 +446,10 @@ def measure(args: argparse.Namespace) -> dict:
             "global_batch": BATCH,
             "ranks": 2,
         },
-        "cluster": "not run: the 2-node rehearsal cluster part of the benchmark is not done yet",
+        "hosts": hosts,
+        "where": f"2 rehearsal nodes ({hosts}), each capped at {_gib(disk_limit)}"
+        if hosts
+        else "one host",
         "notes": NOTES,
     }
 
@@ -502,7 +565,7 @@ def describe(report: dict) -> list[str]:
             f"{p['read_ahead_cpu_ms_per_step_estimate']:.0f} ms, unexplained "
             f"{p['unexplained_ms']:.0f} ms per step"
         )
-    lines.append(report["cluster"])
+    lines.append(f"where: {report['where']}")
     return lines
 
 
