@@ -29,6 +29,7 @@ from ringtrain.errors import UserError, alike_on_every_rank
 from ringtrain.guard import Watchdog, finite_on_every_rank, non_finite
 from ringtrain.launch.env import who_am_i
 from ringtrain.launch.keepalive import keepalive_warning
+from ringtrain.memory_check import check_memory
 from ringtrain.pipeline.schedule import pipeline_schedule
 from ringtrain.validation import validate_flags
 from ringtrain.weights import by_path, save_npz
@@ -93,6 +94,7 @@ def train(
             log.info(
                 f"--shard-policy file: {len(data.shard_rows)} files dealt to {readers} readers"
             )
+        check_memory(model, data, cfg, me)  # before the engine allocates gradients and slots
     hooks = None
     if callbacks:
         hooks = EpochCallbacks(callbacks, model, me.rank, -(-total // per_epoch), per_epoch)
@@ -158,7 +160,13 @@ def engine_for(model, data: Dataset | UserData, cfg: TrainConfig, world_size: in
     if not runs_stages(cfg):
         from ringtrain.dataparallel.engine import DataParallelEngine
 
-        return lambda world: (DataParallelEngine(model, data, cfg, world), world.size)
+        engine = DataParallelEngine
+        if cfg.shard_optimizer and world_size > 1:  # one replica: nothing to divide
+            from ringtrain.dataparallel.sharded import ShardedDataParallelEngine, check_shardable
+
+            check_shardable(model.optimizer, model.trainable_variables)
+            engine = ShardedDataParallelEngine
+        return lambda world: (engine(model, data, cfg, world), world.size)
     from ringtrain.keras_model.graph import split_graph
     from ringtrain.pipeline.engine import PipelineEngine
     from ringtrain.pipeline.split import GraphPlan

@@ -233,6 +233,7 @@ class RunCheckpoints:
             "identity": self.identity,
             "strategy": self.cfg.strategy,
             "world_size": self.world.size,
+            **self.engine.checkpoint_meta(),
         }
         write_manifest(self.cfg.checkpoint_dir, step, parts, meta)
         prune(self.cfg.checkpoint_dir, self.cfg.keep)
@@ -252,18 +253,56 @@ class RunCheckpoints:
         if manifest is None:
             return 0, []
         check_identity(manifest, self.identity)
-        state = read_part(manifest, self.engine.read_part())
+        part = self.engine.read_part()
+        state = read_part(manifest, part)
+        if SHARDS in manifest:
+            state = whole_optimizer_state(manifest, part, state)
         self.engine.load_state(state)
         return int(manifest["step"]), [float(x) for x in manifest.get("losses", [])]
 
 
+def weights_state(variables) -> dict[str, np.ndarray]:
+    """Weights by stable name."""
+    return {f"weights/{v.path}": np.asarray(v.numpy()) for v in variables}
+
+
+def optimizer_key(position: int) -> str:
+    """An optimizer variable's name in a checkpoint: its position in the whole optimizer's
+    variables (step count, learning rate, then the slots in Keras's build order)."""
+    return f"optimizer/{position:04d}"
+
+
 def training_state(variables, optimizer) -> dict[str, np.ndarray]:
     """Weights by stable name, and the optimizer's variables (slots, step count) by position."""
-    state = {f"weights/{v.path}": np.asarray(v.numpy()) for v in variables}
-    state |= {
-        f"optimizer/{i:04d}": np.asarray(v.numpy()) for i, v in enumerate(optimizer.variables)
-    }
+    state = weights_state(variables)
+    state |= {optimizer_key(i): np.asarray(v.numpy()) for i, v in enumerate(optimizer.variables)}
     return state
+
+
+SHARDS = "optimizer_shards"  # a manifest's entry: the optimizer's slots were saved in shards
+
+
+def shard_key(kind: int) -> str:
+    """One kind of slot (Adam's first moments, its second...) over a rank's slice of the
+    weights laid end to end."""
+    return f"shard/{kind:02d}"
+
+
+def whole_optimizer_state(manifest: dict, read: str, state: dict[str, np.ndarray]) -> dict:
+    """A checkpoint whose slots were saved in shards (--shard-optimizer), in the layout of one
+    whose optimizer held them all: every rank's shard is read and each slot cut from the
+    shards laid end to end, so it resumes on any number of ranks, with or without sharding.
+    `state` is the part `read`, already read."""
+    shards = manifest[SHARDS]
+    parts = [state if part == read else read_part(manifest, part) for part in shards["parts"]]
+    kinds = sorted({key for key in state if key.startswith("shard/")})
+    whole = {key: value for key, value in state.items() if not key.startswith("shard/")}
+    laid = {key: np.concatenate([part[key] for part in parts]) for key in kinds}
+    for position, kind, offset, shape in shards["slots"]:
+        size = int(np.prod(shape, dtype=np.int64))
+        flat = laid[shard_key(kind)][offset : offset + size]
+        whole[optimizer_key(position)] = flat.reshape(shape)
+    return whole
 
 
 def load_training_state(variables, optimizer, state: dict[str, np.ndarray]) -> None:
@@ -272,7 +311,12 @@ def load_training_state(variables, optimizer, state: dict[str, np.ndarray]) -> N
         missing = sorted(expected.keys() - state.keys())[:3]
         raise UserError(f"checkpoint does not match this model (missing {missing})")
     pairs = [(f"weights/{v.path}", v) for v in variables]
-    pairs += [(f"optimizer/{i:04d}", v) for i, v in enumerate(optimizer.variables)]
+    pairs += [(optimizer_key(i), v) for i, v in enumerate(optimizer.variables)]
+    assign_checked(state, pairs)
+
+
+def assign_checked(state: dict[str, np.ndarray], pairs: list) -> None:
+    """Assign each (key, variable) its stored value, refusing a value of another shape."""
     for key, v in pairs:
         if tuple(state[key].shape) != tuple(v.shape):
             raise UserError(f"checkpoint holds {key} of shape {state[key].shape}, not {v.shape}")
@@ -287,6 +331,10 @@ class Checkpointable:
 
     def load_state(self, state: dict[str, np.ndarray]) -> None:
         load_training_state(self.variables, self.optimizer, state)
+
+    def checkpoint_meta(self) -> dict:
+        """What the manifest says beyond the parts (a sharded optimizer's layout); rank 0's."""
+        return {}
 
 
 class WholeModelReplica(Checkpointable):

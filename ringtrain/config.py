@@ -70,6 +70,27 @@ def _dimensions(shape: tuple[int, ...]) -> str | None:
     return f"{shape_text(shape)} needs dimensions of at least 1"
 
 
+_SIZE = re.compile(r"^(\d+(?:\.\d+)?)([KMGT]?)(i?B)?$", re.IGNORECASE)
+
+
+def byte_size(what: str) -> Callable[[str], int]:
+    """An argparse type for an amount of memory: BYTES, or a number with K, M, G or T (powers
+    of 1024, so 300M is 300 MiB). `what` names it in the refusal of zero, e.g. "a rank's
+    memory"; `train` and `plan --memory-per-rank` and `cluster up --mem-per-node` read sizes
+    alike."""
+
+    def parse(text: str) -> int:
+        found = _SIZE.match(text.strip())
+        if not found:
+            raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 2G or 512M)")
+        value = int(float(found.group(1)) * 1024 ** " KMGT".index(found.group(2).upper() or " "))
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{what} must be above zero, got {text!r}")
+        return value
+
+    return parse
+
+
 def check_writable(flag: str, path: str | None) -> None:
     if path is None:
         return
@@ -129,6 +150,7 @@ class Flag:
     path: Callable[[str, str | None], None] | None = None  # how an output path is checked
     group: str | None = None  # flags of one group exclude each other on the command line
     metavar: str | None = None
+    parse: Callable[[str], Any] | None = None  # the command line's text to a value (a size)
 
     def describe(self) -> str | None:
         return self.help and self.help.format(choices=", ".join(self.choices))
@@ -210,6 +232,14 @@ class TrainConfig:
             bound=positive,
         ),
     )
+    shard_optimizer: bool = field(
+        default=False,
+        metadata=flag(
+            "each data-parallel replica keeps the optimizer's slots (Adam's moments, momentum) "
+            "for 1/N of the weights: gradients reduce-scattered, updated weights all-gathered "
+            "(ZeRO stage 1; --strategy data --loop custom)"
+        ),
+    )
     scale_lr: bool = field(default=False, metadata=flag("multiply --lr by the replica count"))
     warmup_epochs: float = field(
         default=0.0,
@@ -244,6 +274,21 @@ class TrainConfig:
             "backward, for less memory at the cost of a forward more (default: keep its "
             "activations)"
         ),
+    )
+    memory_per_rank: int | None = field(
+        default=None,
+        metadata=flag(
+            "bytes a rank may hold, e.g. 2G (K, M, G, T: powers of 1024; default: its share of "
+            "its node's memory cgroup or Slurm limit); train refuses a run predicted to need "
+            "more before it starts",
+            bound=at_least(1),
+            parse=byte_size("a rank's memory"),
+            metavar="SIZE",
+        ),
+    )
+    ignore_memory_check: bool = field(
+        default=False,
+        metadata=flag("run even where the predicted memory per rank is over the limit"),
     )
     microbatches: int = field(
         default=1,
@@ -412,26 +457,6 @@ def positive_whole_number(text: str) -> int:
     return int(text)
 
 
-_SIZE = re.compile(r"^(\d+(?:\.\d+)?)([KMGT]?)(i?B)?$", re.IGNORECASE)
-
-
-def byte_size(what: str) -> Callable[[str], int]:
-    """An argparse type for an amount of memory: BYTES, or a number with K, M, G or T (powers
-    of 1024, so 300M is 300 MiB). `what` names it in the refusal of zero, e.g. "a rank's
-    memory"; `plan --memory-per-rank` and `cluster up --mem-per-node` read sizes alike."""
-
-    def parse(text: str) -> int:
-        found = _SIZE.match(text.strip())
-        if not found:
-            raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 2G or 512M)")
-        value = int(float(found.group(1)) * 1024 ** " KMGT".index(found.group(2).upper() or " "))
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"{what} must be above zero, got {text!r}")
-        return value
-
-    return parse
-
-
 TEXT_TO = {int: _whole_number, float: float}  # str stays text; a shape is read by config
 
 
@@ -453,7 +478,7 @@ def add_train_arguments(p: argparse.ArgumentParser, names: Collection[str] | Non
             continue
         into.add_argument(
             o.option,
-            type=TEXT_TO.get(o.kind),
+            type=o.flag.parse or TEXT_TO.get(o.kind),
             default=_default_on_command_line(o),
             help=o.flag.describe(),
             metavar=o.flag.metavar,

@@ -50,6 +50,7 @@ def validate_flags(cfg: TrainConfig, world_size: int, given: Collection[str] = (
     _validate_pipeline(cfg, pp_size)
     _validate_fit_loop(cfg)
     _validate_bucketing(cfg)
+    _validate_sharding(cfg)
     if cfg.accumulate > 1 and cfg.strategy not in ("single", "data"):
         raise UserError(
             "--accumulate slices a data-parallel share (--strategy single or data); "
@@ -95,6 +96,28 @@ def _validate_bucketing(cfg: TrainConfig) -> None:
     too; model.fit (--loop fit) and a pipeline have no such step."""
     if cfg.bucket_mb is not None and (cfg.strategy != "data" or cfg.loop != "custom"):
         raise UserError("--bucket-mb buckets the allreduce of --strategy data --loop custom")
+
+
+def _validate_sharding(cfg: TrainConfig) -> None:
+    """--shard-optimizer divides ringtrain's own data-parallel step's optimizer among replicas:
+    one reduce-scatter of every gradient, so no buckets; model.fit's optimizer holds every slot;
+    within a pipeline's replica groups it is not done yet."""
+    if not cfg.shard_optimizer:
+        return
+    if runs_stages(cfg):
+        raise UserError(
+            f"--shard-optimizer shards among data-parallel replicas (--strategy data); not yet "
+            f"--strategy {cfg.strategy} with pipeline stages"
+        )
+    if cfg.loop != "custom":
+        raise UserError(
+            "--shard-optimizer needs --loop custom (model.fit's optimizer holds every slot)"
+        )
+    if cfg.bucket_mb is not None:
+        raise UserError(
+            "--bucket-mb does not go with --shard-optimizer, which reduce-scatters all the "
+            "gradients at once"
+        )
 
 
 def _validate_strategy_shape(cfg: TrainConfig, world_size: int) -> None:

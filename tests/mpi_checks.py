@@ -55,6 +55,7 @@ REPORTED = (
     "sync_sends",
     "mpi_progress",
     "partition",
+    "shard_optimizer",
 )
 
 
@@ -353,8 +354,9 @@ def keras_grid(world_size: int) -> list[TrainConfig]:
     return grid
 
 
-def keras_check(cfg: TrainConfig, world: runtime.World, sets: dict) -> dict:
-    """One zoo model's run under cfg against Keras's fit; rank 0's report."""
+def keras_check(cfg: TrainConfig, world: runtime.World, sets: dict, check: str = "keras") -> dict:
+    """One zoo model's run under cfg against Keras's fit; rank 0's report (`check` names it,
+    with how far any replica's weights are from rank 0's)."""
     import keras
     import user_models
     from reference import compare_updates, first_examples, keras_fit_updates
@@ -364,9 +366,11 @@ def keras_check(cfg: TrainConfig, world: runtime.World, sets: dict) -> dict:
     data_name, n = KERAS_ZOO[cfg.model]
     x, y = getattr(user_models, data_name)()
     x, y = first_examples(x, n), first_examples(y, n)
-    build = getattr(user_models, cfg.model)
+    build = SHARD_VARIANTS.get(cfg.model) or getattr(user_models, cfg.model)
     keras.utils.set_random_seed(cfg.seed)
-    metrics, weights = trained(build(), UserData(Examples(x, y)), cfg, world, sets)
+    model = build()
+    metrics, weights = trained(model, UserData(Examples(x, y)), cfg, world, sets)
+    apart = replicas_differ(model, world.comm) if check != "keras" else None
     if world.rank != 0:
         return {}
     pp = pp_size_of(cfg, world.size)
@@ -385,7 +389,8 @@ def keras_check(cfg: TrainConfig, world: runtime.World, sets: dict) -> dict:
     pick = lambda found: {k: found[k] for k in sorted(names)}  # noqa: E731
     update = compare_updates(pick(ref.initial), pick(weights), pick(ref.final))
     return {
-        "check": "keras",
+        "check": check,
+        "replicas_max_abs_diff": apart,
         "config": {k: v for k, v in cfg.as_dict().items() if k in REPORTED},
         "world_size": world.size,
         "steps": metrics["steps"],
@@ -424,5 +429,85 @@ def main() -> None:
                 print(json.dumps({"check": "resume", "config": config, **check}), flush=True)
 
 
+# ---- --shard-optimizer (ZeRO stage 1), its own launch -------------------------------------
+#     mpirun -np N python tests/mpi_checks.py --shard RESUME_DIR
+# On N > 1 ranks each run's weights are held to Keras's fit (the zoo) or to the independent
+# reference (the built-ins), and every replica's to rank 0's, bit for bit; on 2 ranks a sharded
+# run then stops and resumes in RESUME_DIR.
+SHARD = "--shard"
+
+
+def _recompiled(optimizer: str, **options):
+    """The residual CNN compiled again with another optimizer: a per-variable option."""
+    import keras
+    import user_models
+
+    model = user_models.residual_cnn()
+    kind = {"adam": keras.optimizers.Adam, "rmsprop": keras.optimizers.RMSprop}[optimizer]
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model.compile(optimizer=kind(1e-3, **options), loss=loss)
+    return model
+
+
+SHARD_VARIANTS = {  # clipnorm: each variable's own norm, which a slice may cut across
+    "residual_cnn_clipnorm": functools.partial(_recompiled, "adam", clipnorm=0.01),
+    "residual_cnn_clipvalue": functools.partial(_recompiled, "rmsprop", clipvalue=0.001),
+}
+KERAS_ZOO |= dict.fromkeys(SHARD_VARIANTS, KERAS_ZOO["residual_cnn"])
+
+
+def shard_grid(world_size: int) -> list[TrainConfig]:
+    """The zoo under --shard-optimizer: Adam (a partial, uneven last batch), SGD + Nesterov
+    momentum, SGD + momentum under a frozen extractor, AdamW with a cosine schedule and
+    global_clipnorm, Adam with clipnorm, RMSprop with clipvalue and two outputs under
+    --accumulate 2; on more than 2 ranks Adam and SGD + Nesterov momentum alone."""
+    base = TrainConfig(batch_size=KERAS_BATCH, steps=KERAS_STEPS, seed=KERAS_SEED, shuffle=False)
+    sharded = replace(base, strategy="data", shard_optimizer=True)
+    zoo = ("residual_cnn", "residual_cnn_nesterov", "frozen_finetune", "regression_mlp")
+    if world_size > 2:
+        return [replace(sharded, model=m) for m in zoo[:2]]
+    grid = [replace(sharded, model=m) for m in (*zoo, *SHARD_VARIANTS)]
+    return [*grid, replace(sharded, model="two_heads", accumulate=2)]
+
+
+def shard_builtins(world_size: int) -> list[TrainConfig]:
+    """The built-in MLP against the independent reference under SGD and --fp16-allreduce."""
+    if world_size != 2:
+        return []
+    return [case("data", "mlp", "sgd", fp16_allreduce=True, shard_optimizer=True)]
+
+
+def replicas_differ(model, comm) -> float:
+    """The largest difference between any replica's weights and rank 0's (0.0: identical)."""
+    from mpi4py import MPI
+
+    mine = np.concatenate([np.ravel(v.numpy()).astype(np.float64) for v in model.weights])
+    root = mine.copy()
+    comm.Bcast(root, root=0)
+    worst = np.array([float(np.max(np.abs(mine - root)))])
+    comm.Allreduce(MPI.IN_PLACE, worst, op=MPI.MAX)
+    return float(worst[0])
+
+
+def shard_main() -> None:
+    from ringtrain.launch.env import who_am_i
+
+    size = who_am_i().world_size
+    world = runtime.start(with_horovod=True)
+    with tempfile.TemporaryDirectory(prefix="initial-weights-") as mine:
+        check_against_reference(shard_builtins(size), world, {}, world.comm.bcast(mine))
+    for cfg in shard_grid(size):
+        report = keras_check(cfg, world, {}, check="keras-shard")
+        if world.rank == 0:
+            print(json.dumps(report), flush=True)
+    if size != 2:
+        return
+    cfg = case("data", "mlp", "adam", shard_optimizer=True)
+    check = resume_check(cfg, world, {}, f"{sys.argv[2]}/sharded")
+    if world.rank == 0:
+        config = {k: v for k, v in cfg.as_dict().items() if k in REPORTED}
+        print(json.dumps({"check": "resume", "config": config, **check}), flush=True)
+
+
 if __name__ == "__main__":
-    main()
+    shard_main() if sys.argv[1:2] == [SHARD] else main()

@@ -15,13 +15,12 @@ from pathlib import Path
 
 from ringtrain.cluster.system import end_processes
 from ringtrain.errors import UserError
+from ringtrain.memory_limit import LIMIT_FILE, MIB, own_memory_group
 
 GROUPS = "ringtrain-cluster"
-MOUNT = Path("/sys/fs/cgroup")
-MIB = 2**20
 # (limit, swap limit, usage) in each version's names.
-_V1 = ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes", "memory.usage_in_bytes")
-_V2 = ("memory.max", "memory.swap.max", "memory.current")
+_V1 = (LIMIT_FILE["v1"], "memory.memsw.limit_in_bytes", "memory.usage_in_bytes")
+_V2 = (LIMIT_FILE["v2"], "memory.swap.max", "memory.current")
 
 
 def memory_parent(needed_by: str) -> tuple[Path, str]:
@@ -29,18 +28,11 @@ def memory_parent(needed_by: str) -> tuple[Path, str]:
     whatever limit the caller has), and its version, "v1" or "v2". A host without a memory
     controller that this process may make groups under is a one-line UserError naming what
     needs one (`needed_by`)."""
-    lines = Path("/proc/self/cgroup").read_text().splitlines()
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(","):
-            parent = MOUNT / "memory" / path.lstrip("/")
-            if (parent / "cgroup.procs").exists():
-                return parent, "v1"
-    unified = next((line.split(":", 2)[2] for line in lines if line.startswith("0::")), None)
-    if unified is not None:
-        parent = MOUNT / unified.lstrip("/")
-        if "memory" in _read(parent / "cgroup.subtree_control").split():
-            return parent, "v2"
+    found = own_memory_group()
+    if found is not None:  # v2 makes memory.max in children only where the group delegates it
+        parent, version = found
+        if version == "v1" or "memory" in _read(parent / "cgroup.subtree_control").split():
+            return found
     raise UserError(
         f"{needed_by} needs a memory cgroup controller (cgroup v1's memory, or v2 with "
         "memory delegated to this process's group); this host has none"

@@ -57,15 +57,15 @@ class DataParallelEngine(WholeModelReplica):
         self.hvd = world.hvd if world.size > 1 else None
         self.trainable = list(model.trainable_variables)
         self.optimizer = model.optimizer
-        self.optimizer.build(self.trainable)
         self.variables = list(model.weights)  # what a checkpoint holds: frozen ones too
+        stepping = self._stepping_optimizer()
         if world.size > 1:
-            broadcast_in_order(world.comm, self.variables + list(self.optimizer.variables))
+            broadcast_in_order(world.comm, self.variables + self._replicated_state())
         self.kind = reduction_kind(model)
         sizes = variable_bytes(self.trainable)
         self.buckets = buckets(sizes, cfg.bucket_mb) if cfg.bucket_mb else [list(range(len(sizes)))]
         self.base_learning_rate = base_learning_rate(self.optimizer)
-        self._lr = LearningRate(self.optimizer)
+        self._lr = LearningRate(stepping)
         self._train_step = tf.function(self._step_graph, reduce_retracing=True)
         self._traced_step = tf.function(
             lambda slices, stop: self._step_graph(slices, stop, True), reduce_retracing=True
@@ -88,15 +88,31 @@ class DataParallelEngine(WholeModelReplica):
             made = tape.gradient(part, self.trainable, unconnected_gradients="zero")
             grads = made if grads is None else add_gradients(grads, made)
             loss += tf.cast(part, loss.dtype)
-        raw, arrived = grads, []
-        if self.hvd is not None:
-            grads, loss, stop, arrived = average_in_buckets(
-                self.hvd, raw, self.buckets, loss, stop, self.cfg.fp16_allreduce
-            )
-        self.optimizer.apply_gradients(zip(grads, self.trainable, strict=True))
+        loss, stop, arrived = self._average_and_apply(grads, loss, stop)
         if not timed:
             return loss, stop
-        return loss, stop, tf.stack([_clock(after) - began[0] for after in [raw, *arrived]])
+        return loss, stop, tf.stack([_clock(after) - began[0] for after in [grads, *arrived]])
+
+    def _stepping_optimizer(self):
+        """The optimizer that applies the averaged gradients, built: here the compiled one, with
+        a slot for every weight on every replica."""
+        self.optimizer.build(self.trainable)
+        return self.optimizer
+
+    def _replicated_state(self) -> list:
+        """What every replica holds alike besides the weights: broadcast from rank 0 at start."""
+        return list(self.optimizer.variables)
+
+    def _average_and_apply(self, grads: list, loss: tf.Tensor, stop: tf.Tensor) -> tuple:
+        """Average the replicas' gradients, the loss and the stop flag, and update the weights:
+        (loss, stop, each bucket's averages as they arrived)."""
+        arrived = []
+        if self.hvd is not None:
+            grads, loss, stop, arrived = average_in_buckets(
+                self.hvd, grads, self.buckets, loss, stop, self.cfg.fp16_allreduce
+            )
+        self.optimizer.apply_gradients(zip(grads, self.trainable, strict=True))
+        return loss, stop, arrived
 
     def set_learning_rate(self, lr: float) -> None:
         self._lr.set(lr)

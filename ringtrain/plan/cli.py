@@ -24,7 +24,6 @@ from ringtrain.bounded import RunFailed, run_bounded
 from ringtrain.config import (
     TrainConfig,
     add_train_arguments,
-    byte_size,
     check_values,
     is_model_function,
     positive_whole_number,
@@ -33,6 +32,7 @@ from ringtrain.errors import UserError
 from ringtrain.keras_model.source import add_source_arguments, check_source_flags, source_flags
 from ringtrain.launch.mpirun import host_flags, mpi_env, mpirun_command
 from ringtrain.machine import machine_facts
+from ringtrain.memory_limit import rank_limit
 from ringtrain.pipeline.costs import LinkModel, MeasuredCurve
 from ringtrain.plan.costmodel import (
     FORMAT,
@@ -45,8 +45,8 @@ from ringtrain.plan.costmodel import (
 
 DEFAULT_CALIBRATION = "calibration.json"
 FINGERPRINT_KEYS = ("cpu_model", "cpus", "tensorflow", "horovod")
-# train's flags that plan takes: what it plans for.
-PLANNED_FLAGS = ("model", "dataset", "optimizer", "batch_size")
+# train's flags that plan takes: what it plans for, and the memory a rank may hold.
+PLANNED_FLAGS = ("model", "dataset", "optimizer", "batch_size", "memory_per_rank")
 COMPILED = "compiled"  # a user's model brings its optimizer: what its calibration records
 
 
@@ -57,11 +57,6 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(optimizer=None)  # absent unless typed: a compiled model refuses it
     p.add_argument("--nodes", type=positive_whole_number, default=1)
     p.add_argument("--ranks-per-node", type=positive_whole_number, default=2)
-    p.add_argument(
-        "--memory-per-rank",
-        type=byte_size("a rank's memory"),
-        help="bytes a rank may hold (e.g. 2G)",
-    )
     p.add_argument("--grid", help="only the grid DxP (D replicas of P stages)")
     p.add_argument(
         "--calibration",
@@ -132,7 +127,10 @@ def run_plan_command(args: argparse.Namespace) -> int:
             return 0
     cal = load_calibration(path, planned, args.force)
     grid = _grid(args.grid, args.nodes * args.ranks_per_node)
-    table = plan(cal, args.nodes, args.ranks_per_node, args.batch_size, args.memory_per_rank)
+    # read as `train` reads it: the flag, else this node's cgroup or Slurm limit, shared
+    limit = rank_limit(args.memory_per_rank, args.ranks_per_node)
+    memory = limit.bytes if limit else None
+    table = plan(cal, args.nodes, args.ranks_per_node, args.batch_size, memory)
     if grid:
         table = [p for p in table if (p.candidate.dp_size, p.candidate.pp_size) == grid]
     if not table:
@@ -143,9 +141,11 @@ def run_plan_command(args: argparse.Namespace) -> int:
         rows = [p.to_json() for p in table]
         print(json.dumps({"candidates": rows, "recommended": command}, indent=1))
     else:
+        if limit:
+            print(f"memory per rank: {limit.bytes / 2**20:.0f} MiB ({limit.source})")
         _print_table(table)
         if command is None:
-            raise UserError(f"nothing fits in {args.memory_per_rank} bytes per rank")
+            raise UserError(f"nothing fits in {memory} bytes per rank ({limit.source})")
         print(f"recommended: {command}")
     return 0
 

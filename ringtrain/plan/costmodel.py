@@ -112,7 +112,7 @@ class Calibration:
         for ref in self.executor:
             sim = build_schedule("1f1b", len(ref["bounds"]), ref["microbatches"])
             own = max(
-                _stage_bytes(self, range(a, b), inflight, ref["microbatch"], False)
+                _stage_bytes(self, range(a, b), inflight, ref["microbatch"])
                 for (a, b), inflight in zip(ref["bounds"], simulate(sim).peak_inflight, strict=True)
             )
             found = max(found, ref["added_bytes"] - own)
@@ -222,26 +222,50 @@ class Prediction:
         }
 
 
+def model_bytes(
+    weights: float, trainable: float, slots: float, activations: float, shards: int = 1
+) -> dict[str, int]:
+    """A rank's model memory by what holds it, in bytes, from counts of 4-byte words: its
+    `weights`; a gradient per `trainable` weight; the optimizer's `slots` words per trainable
+    weight (Adam's two moments), divided among `shards` replicas when the optimizer is
+    sharded; and the `activations` its tapes hold for the examples in flight. The one
+    arithmetic behind `plan`'s memory column and `train`'s memory check."""
+    return {
+        "weights": int(weights * FLOAT_BYTES),
+        "gradients": int(trainable * FLOAT_BYTES),
+        "optimizer state": int(trainable * slots * FLOAT_BYTES / shards),
+        "activations in flight": int(activations * FLOAT_BYTES),
+    }
+
+
 def _weights_bytes(cal: Calibration, elements: range, fp16: bool) -> tuple[int, int]:
     """(bytes of weights + gradients + optimizer state, bytes one gradient allreduce moves)."""
     params = sum(cal.elements[i].params for i in elements)
-    slots = cal.optimizer_slots
-    if slots is None:
-        slots = OPTIMIZER_SLOTS.get(cal.optimizer, 2)
-    return int(params * FLOAT_BYTES * (2 + slots)), params * (2 if fp16 else FLOAT_BYTES)
+    state = sum(model_bytes(params, params, _slots(cal), 0).values())
+    return state, params * (2 if fp16 else FLOAT_BYTES)
 
 
-def _stage_bytes(
-    cal: Calibration, elements: range, inflight: int, microbatch: float, fp16: bool
-) -> int:
+def _slots(cal: Calibration) -> float:
+    """Words of optimizer state per weight: as measured, else by the optimizer's name."""
+    if cal.optimizer_slots is None:
+        return OPTIMIZER_SLOTS.get(cal.optimizer, 2)
+    return cal.optimizer_slots
+
+
+def _stage_bytes(cal: Calibration, elements: range, inflight: int, microbatch: float) -> int:
     """A stage's own memory: its state, and its activations for each microbatch in flight."""
-    state = _weights_bytes(cal, elements, fp16)[0]
-    return state + inflight * _activation_bytes(cal, elements, microbatch)
+    params = sum(cal.elements[i].params for i in elements)
+    words = inflight * _activation_words(cal, elements) * microbatch
+    return sum(model_bytes(params, params, _slots(cal), words).values())
 
 
 def _activation_bytes(cal: Calibration, elements: range, samples: float) -> int:
-    per_sample = sum(cal.elements[i].input_floats + cal.elements[i].output_floats for i in elements)
-    return int(per_sample * FLOAT_BYTES * samples)
+    return model_bytes(0, 0, 0, _activation_words(cal, elements) * samples)["activations in flight"]
+
+
+def _activation_words(cal: Calibration, elements: range) -> float:
+    """Per example: every element's input and output (the saved tapes hold at least those)."""
+    return sum(cal.elements[i].input_floats + cal.elements[i].output_floats for i in elements)
 
 
 def predict_data_parallel(cal: Calibration, ranks: int, nodes: int, batch: int, fp16: bool):
@@ -288,7 +312,7 @@ def predict_pipeline(cal: Calibration, candidate: Candidate, nodes: int, batch: 
         grad_bytes = _weights_bytes(cal, range(a, b), candidate.fp16_allreduce)[1]
         replica_link = cal.link(cal.allreduce, dp_size > 1 and nodes > 1)
         average = max(average, allreduce_seconds(replica_link, dp_size, grad_bytes))
-        own = _stage_bytes(cal, range(a, b), sim.peak_inflight[s], microbatch, False)
+        own = _stage_bytes(cal, range(a, b), sim.peak_inflight[s], microbatch)
         peak = max(peak, cal.baseline_bytes + runtime + own)
     compute = max(sim.busy)
     step = sim.makespan + average

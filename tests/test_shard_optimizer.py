@@ -1,0 +1,213 @@
+"""--shard-optimizer (ZeRO stage 1): each data-parallel replica keeps the optimizer's slots for
+1/N of the weights, and the updates are still Keras's own, per tensor within the bound of its
+`fit` on one process; a sharded checkpoint resumes exactly, and on one rank without the flag;
+one replica changes nothing; what it cannot do exactly is refused in one line."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+from conftest import BIN, MPIRUN, ROOT, assert_exact_resume, compare_weight_files, run
+from test_bad_input import said_once, train_under_mpirun
+
+from ringtrain.errors import EXIT_CHECKPOINTED, EXIT_USAGE
+
+USER_MODELS = ROOT / "tests" / "user_models.py"
+
+
+def shard_checks(ranks: int, resume_dir) -> list[dict]:
+    """tests/mpi_checks.py --shard on this many ranks: rank 0's JSON lines."""
+    script = [sys.executable, str(ROOT / "tests" / "mpi_checks.py"), "--shard", str(resume_dir)]
+    done = run([*MPIRUN, str(ranks), *script], timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks,count", [(2, 8), (4, 2)])
+def test_sharded_updates_match_keras_fit_and_every_replica_agrees(ranks, count, tmp_path):
+    """On 2 ranks the zoo's CNN under Adam (a partial, uneven last batch), SGD + Nesterov
+    momentum, SGD + momentum under a frozen extractor, AdamW with a cosine schedule and
+    global_clipnorm, Adam with per-variable clipnorm, RMSprop with clipvalue, two outputs under
+    --accumulate 2: each per tensor within the bound of Keras's own fit; the built-in MLP under
+    SGD and --fp16-allreduce within the independent reference's. On 4 ranks the CNN under Adam
+    and under SGD + Nesterov momentum. Every replica ends with rank 0's weights, bit for bit. On
+    2 ranks a sharded run stopped half way resumes to the same weights, bit for bit."""
+    results = shard_checks(ranks, tmp_path)
+    resumes = [r for r in results if r.get("check") == "resume"]
+    updates = [r for r in results if r.get("check") != "resume"]
+    assert len(updates) == count
+    for r in updates:
+        c, u = r["config"], r["update"]
+        print(f"{ranks} ranks, {c['model']}: {u['worst_tensor']} {u['worst_ratio']:.3f} of bound")
+    for r in updates:
+        assert r["config"]["shard_optimizer"] and r["update"]["passed"], r
+        if r.get("check") == "keras-shard":
+            assert r["steps"] == 3 and r["replicas_max_abs_diff"] == 0.0, r
+        else:
+            assert r["losses_passed"] and len(set(r["replica_checksums"])) == 1, r
+    if ranks == 2:
+        assert_exact_resume(resumes)
+
+
+def train(*args: str, ranks: int | None = None):
+    """`ringtrain train` on the residual CNN (Adam) of tests/user_models.py, 4 steps."""
+    cmd = [str(BIN / "ringtrain"), "train", "--model", f"{USER_MODELS}:residual_cnn"]
+    cmd += ["--data", f"{USER_MODELS}:digits_split", "--no-shuffle", "--batch-size", "64"]
+    cmd += ["--steps", "4", "--seed", "7", *args]
+    return run(cmd if ranks is None else [*MPIRUN, str(ranks), *cmd])
+
+
+@pytest.mark.mpi
+def test_a_sharded_checkpoint_resumes_on_one_rank_without_the_flag(tmp_path):
+    """Two sharded ranks stop after step 2, each writing its shard of Adam's moments; one rank
+    without --shard-optimizer resumes from them (the shards laid out as one optimizer's) and
+    ends within the bound of an unbroken run, per tensor."""
+    whole, resumed, start = tmp_path / "whole.npz", tmp_path / "resumed.npz", tmp_path / "start.npz"
+    done = train("--weights-out", str(whole), "--initial-weights-out", str(start))
+    assert done.returncode == 0, done.stderr[-2000:]
+    ckpt = tmp_path / "ckpt"
+    flags = ["--checkpoint-dir", str(ckpt)]
+    stopped = train("--shard-optimizer", *flags, "--stop-after", "2", ranks=2)
+    assert stopped.returncode == EXIT_CHECKPOINTED, stopped.stderr[-2000:]
+    manifest = json.loads((ckpt / "step-00000002" / "manifest.json").read_text())
+    assert sorted(manifest["parts"]) == ["model", "optimizer-shard-00001"]
+    assert manifest["optimizer_shards"]["parts"] == ["model", "optimizer-shard-00001"]
+    done = train(*flags, "--resume", "--weights-out", str(resumed))
+    assert done.returncode == 0 and "resumed from" in done.stdout, done.stderr[-2000:]
+    update = compare_weight_files(resumed, whole, start)
+    print(update)
+    assert update.passed, update
+
+
+def test_one_replica_with_the_flag_trains_bit_for_bit_as_without_it():
+    """Nothing to divide: the same engine, the same weights."""
+    import keras
+
+    sys.path.insert(0, str(USER_MODELS.parent))
+    import user_models
+
+    from ringtrain.api import engine_for
+    from ringtrain.config import TrainConfig
+    from ringtrain.data import Examples, UserData
+    from ringtrain.runtime import World
+
+    (x, y), _ = user_models.digits_split()
+    world = World(rank=0, size=1, local_rank=0, local_size=1, comm=None)
+    trained = []
+    for flag in (True, False):
+        keras.utils.set_random_seed(7)
+        model = user_models.residual_cnn()
+        cfg = TrainConfig(strategy="single", batch_size=64, steps=2, shard_optimizer=flag)
+        engine, _ = engine_for(model, UserData(Examples(x, y)), cfg, 1)(world)
+        for step in range(2):
+            engine.step(np.arange(64 * step, 64 * (step + 1)))
+        trained.append([v.numpy() for v in model.weights])
+    assert all(np.array_equal(a, b) for a, b in zip(*trained, strict=True))
+
+
+def test_flags_that_do_not_go_with_a_sharded_optimizer_are_refused_before_tensorflow(
+    before_tensorflow,
+):
+    for args, needle in [
+        (["--strategy", "pipeline"], "not yet --strategy pipeline"),
+        (["--strategy", "model"], "not yet --strategy model"),
+        (["--loop", "fit"], "--shard-optimizer needs --loop custom"),
+        (["--bucket-mb", "1"], "--bucket-mb does not go with --shard-optimizer"),
+    ]:
+        said_once(before_tensorflow("train", "--shard-optimizer", *args), EXIT_USAGE, needle)
+
+
+def test_what_a_slice_cannot_compute_as_keras_does_is_refused():
+    """The compiled optimizer's options that need a variable's identity or more than its
+    elements, a non-elementwise optimizer and weights outside float32, in one line each."""
+    import keras
+
+    from ringtrain.dataparallel.sharded import check_shardable
+    from ringtrain.errors import UserError
+
+    weights = [keras.Variable(np.zeros(3, np.float32), name="w")]
+    decayed = keras.optimizers.AdamW(weight_decay=0.1)
+    decayed.exclude_from_weight_decay(var_names=["bias"])
+    for optimizer, needle in [
+        (decayed, "AdamW's exclude_from_weight_decay"),
+        (keras.optimizers.SGD(use_ema=True), "SGD's use_ema"),
+        (keras.optimizers.Adam(gradient_accumulation_steps=2), "gradient_accumulation_steps"),
+        (keras.optimizers.Lamb(), "the compiled Lamb is not one of them"),
+        (keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()), "LossScaleOptimizer"),
+    ]:
+        with pytest.raises(UserError, match=needle):
+            check_shardable(optimizer, weights)
+    half = [keras.Variable(np.zeros(3, np.float16), name="h")]
+    with pytest.raises(UserError, match="float32 weights"):
+        check_shardable(keras.optimizers.SGD(), half)
+
+
+@pytest.mark.parametrize(
+    "name", ["SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "Nadam", "Lion"]
+)
+def test_each_elementwise_optimizer_updates_a_flat_slice_as_it_updates_the_variables(name):
+    """The premise, per optimizer --shard-optimizer takes: its clone over the variables laid end
+    to end makes the same updates, and each of its slots, cut where OptimizerLayout says, is
+    the slot the optimizer keeps for that variable."""
+    import keras
+
+    from ringtrain.dataparallel.sharded import ELEMENTWISE, OptimizerLayout, clone_optimizer
+
+    assert name in {kind.__name__ for kind in ELEMENTWISE}
+    rng = np.random.default_rng(0)
+    shapes, sizes = [(3, 4), (5,), (2, 1, 2)], [12, 5, 4]
+    start = [rng.normal(size=shape).astype(np.float32) for shape in shapes]
+    compiled = getattr(keras.optimizers, name)(learning_rate=0.01)
+    flat = keras.Variable(np.concatenate([x.ravel() for x in start]))
+    flat_optimizer = clone_optimizer(compiled)
+    layout = OptimizerLayout(compiled, len(shapes))
+    variables = [keras.Variable(x) for x in start]
+    for _ in range(3):
+        grads = [rng.normal(size=shape).astype(np.float32) for shape in shapes]
+        compiled.apply_gradients(zip(grads, variables, strict=True))
+        flat_optimizer.apply_gradients([(np.concatenate([g.ravel() for g in grads]), flat)])
+    laid = np.concatenate([v.numpy().ravel() for v in variables])
+    np.testing.assert_allclose(flat.numpy(), laid, rtol=1e-6, atol=1e-7)
+    slots = [v for v in flat_optimizer.variables if len(v.shape) == 1]
+    offsets = np.cumsum([0, *sizes])
+    for position, where in enumerate(layout.positions):
+        kept = compiled.variables[position].numpy()
+        if where[0] == "slot":
+            _, kind, i = where
+            cut = slots[kind].numpy()[offsets[i] : offsets[i + 1]].reshape(kept.shape)
+            np.testing.assert_allclose(cut, kept, rtol=1e-6, atol=1e-7)
+
+
+EMBEDDED = """
+import keras
+
+def build():
+    model = keras.Sequential([
+        keras.Input((4,), dtype="int32"),
+        keras.layers.Embedding(10, 3, name="embed"),
+        keras.layers.Flatten(),
+        keras.layers.Dense(2, name="head"),
+    ])
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    return model
+
+def data():
+    import numpy as np
+    return np.arange(64 * 4).reshape(64, 4) % 10, np.arange(64) % 2
+"""
+
+
+@pytest.mark.mpi
+def test_an_embeddings_sparse_gradient_is_refused_in_one_line_on_two_ranks(tmp_path):
+    """Keras's optimizers update an embedding's looked-up rows from its sparse gradient, which
+    the same gradient made dense does not reproduce (BERT's embeddings moved otherwise)."""
+    model = tmp_path / "embedded.py"
+    model.write_text(EMBEDDED)
+    done = train_under_mpirun(
+        "--model", f"{model}:build", "--data", f"{model}:data", "--steps", "1", "--shard-optimizer"
+    )
+    said_once(done, EXIT_USAGE, "embed/embeddings gets sparse ones")
