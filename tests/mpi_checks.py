@@ -142,6 +142,7 @@ def pipeline_schedules(world_size: int) -> list[TrainConfig]:
             pipe("transformer", "sgd", schedule="1f1b", microbatches=3, sync_sends=True),
             pipe("mlp", "sgd", schedule="1f1b", microbatches=3, clip_norm=0.1),
             pipe("mlp", "sgd", schedule="gpipe", microbatches=5, partition="params"),
+            pipe("cnn", "sgd", schedule="1f1b-ahead", microbatches=4),
         ],
         3: [
             case("data", "mlp", "adam", bucket_mb=0.02),
@@ -150,6 +151,7 @@ def pipeline_schedules(world_size: int) -> list[TrainConfig]:
             pipe("transformer", "adam", schedule="gpipe", microbatches=3),
             pipe("mlp", "sgd", schedule="1f1b", microbatches=5),
             pipe("cnn", "sgd", schedule="1f1b", microbatches=3, partition="time"),
+            pipe("transformer", "adam", schedule="1f1b-ahead", microbatches=5),
         ],
         4: [
             case("data", "transformer", "sgd"),

@@ -52,8 +52,13 @@ def test_pipeline_and_model_parallel_match_the_independent_reference(pp_size, gr
             assert r["peak_inflight"] == expected, r
         if c["schedule"] == "zb-h1":
             assert max(r["peak_inflight"]) <= pp_size, r
+        if c["schedule"] == "1f1b-ahead":  # one more than 1F1B on every stage but the last
+            ahead = [min(pp_size - s + 1, m) for s in range(pp_size - 1)]
+            assert r["peak_inflight"] == [*ahead, 1], r
     kinds = {(r["config"]["strategy"], r["config"]["schedule"]) for r in results}
     assert {("model", "1f1b"), ("pipeline", "gpipe"), ("pipeline", "1f1b")} <= kinds
+    if pp_size < 4:
+        assert ("pipeline", "1f1b-ahead") in kinds
     assert any(r["config"]["microbatches"] in (3, 5) for r in results)  # odd M
     if pp_size == 2:
         assert any(r["config"]["sync_sends"] for r in results)  # Ssend: no reliance on buffering

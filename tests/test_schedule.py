@@ -46,7 +46,7 @@ def _built(kind: str, p: int, m: int, v: int) -> tuple[Schedule, SimResult]:
 
 def every_generated_schedule():
     for p, m in GRID:
-        for kind in ("gpipe", "1f1b", "zb-h1"):
+        for kind in ("gpipe", "1f1b", "1f1b-ahead", "zb-h1"):
             yield kind, p, m, 1
         if m % p == 0:
             yield "interleaved", p, m, 2
@@ -104,6 +104,31 @@ def test_bubbles_at_4_stages_and_8_microbatches():
     assert bubbles["gpipe"].bubble == bubbles["1f1b"].bubble == pytest.approx(3 / 11)
     assert bubbles["interleaved"].bubble == pytest.approx(3 / 19)
     assert bubbles["zb-h1"].bubble == pytest.approx(3 / 19)
+
+
+class _Latency:
+    """A wire on which every message takes the same time, whatever its size."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def wire(self) -> "_Latency":
+        return self
+
+    def carry(self, nbytes: float, leaves: float) -> float:
+        return self.seconds
+
+
+@pytest.mark.parametrize("p,m", [(2, 8), (3, 8), (4, 16)])
+def test_one_microbatch_ahead_hides_the_hand_off_latency_that_1f1b_waits_for(p, m):
+    """Alike under unit costs; with sends as the executor makes them (Isend when made) and a
+    latency on every message, 1F1B's steady state waits for a gradient then an activation per
+    microbatch, and 1f1b-ahead, holding one microbatch more on all but the last stage, less."""
+    one, ahead = (send_when_made(built(kind, p, m)[0]) for kind in ("1f1b", "1f1b-ahead"))
+    assert simulate(ahead).bubble == pytest.approx(simulate(one).bubble)
+    assert simulate(ahead).peak_inflight == [min(p - s + 1, m) for s in range(p - 1)] + [1]
+    slow = _Latency(0.2)  # a fifth of a microbatch's F
+    assert simulate(ahead, link=slow).makespan < simulate(one, link=slow).makespan
 
 
 def test_simulator_takes_measured_costs_and_a_link_s_time_by_bytes():

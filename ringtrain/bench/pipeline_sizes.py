@@ -49,6 +49,7 @@ SINGLE = "single 1 thread"
 PIPELINES = {  # contender -> its train flags
     "1f1b M=4": ["--schedule", "1f1b", "--microbatches", "4"],
     "1f1b M=8": ["--schedule", "1f1b", "--microbatches", "8"],
+    "1f1b-ahead M=8": ["--schedule", "1f1b-ahead", "--microbatches", "8"],
     "zb-h1 M=8": ["--schedule", "zb-h1", "--microbatches", "8"],
     "1f1b M=8 recompute": ["--schedule", "1f1b", "--microbatches", "8", "--recompute"],
     "zb-h1 M=8 recompute": ["--schedule", "zb-h1", "--microbatches", "8", "--recompute"],

@@ -28,11 +28,27 @@ def one_f_one_b(pp_size: int, microbatches: int, virtual_stages: int = 1) -> lis
 
     Stage s holds at most min(P - s, M) microbatches' activations instead of GPipe's M.
     """
+    return _one_f_one_b(pp_size, microbatches, ahead=0)
+
+
+def one_f_one_b_ahead(
+    pp_size: int, microbatches: int, virtual_stages: int = 1
+) -> list[list[Action]]:
+    """1F1B with one more warm-up forward on every stage but the last. In 1F1B's steady state
+    stage s+1 needs microbatch i+1's activation just as stage s makes it (after the backward
+    that waited for stage s+1's gradient), so every hand-off's latency (the send, the
+    receiver's wait, unpacking) lies between the two stages' computations. One microbatch
+    ahead, that activation was sent a whole F and B earlier. The price: stage s holds
+    min(P - s + 1, M) microbatches' activations (the last stage still one)."""
+    return _one_f_one_b(pp_size, microbatches, ahead=1)
+
+
+def _one_f_one_b(pp_size: int, microbatches: int, ahead: int) -> list[list[Action]]:
     return [
         _warmup_steady_cooldown(
             [Action(s, Op.F, m) for m in range(microbatches)],
             [[Action(s, Op.B, m)] for m in range(microbatches)],
-            min(pp_size - s - 1, microbatches),
+            min(pp_size - s - 1 + (ahead if s < pp_size - 1 else 0), microbatches),
         )
         for s in range(pp_size)
     ]
@@ -106,6 +122,7 @@ def _warmup_steady_cooldown(
 SCHEDULES: dict[str, ComputeOrder] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
+    "1f1b-ahead": one_f_one_b_ahead,
     "interleaved": interleaved,
     "zb-h1": zb_h1,
 }
