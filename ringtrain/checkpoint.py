@@ -261,9 +261,14 @@ class RunCheckpoints:
         return int(manifest["step"]), [float(x) for x in manifest.get("losses", [])]
 
 
+def weight_key(variable) -> str:
+    """A weight's name in a checkpoint: its stable Keras path."""
+    return f"weights/{variable.path}"
+
+
 def weights_state(variables) -> dict[str, np.ndarray]:
     """Weights by stable name."""
-    return {f"weights/{v.path}": np.asarray(v.numpy()) for v in variables}
+    return {weight_key(v): np.asarray(v.numpy()) for v in variables}
 
 
 def optimizer_key(position: int) -> str:
@@ -282,10 +287,13 @@ def training_state(variables, optimizer) -> dict[str, np.ndarray]:
 SHARDS = "optimizer_shards"  # a manifest's entry: the optimizer's slots were saved in shards
 
 
+SHARD_PREFIX = "shard/"
+
+
 def shard_key(kind: int) -> str:
     """One kind of slot (Adam's first moments, its second...) over a rank's slice of the
     weights laid end to end."""
-    return f"shard/{kind:02d}"
+    return f"{SHARD_PREFIX}{kind:02d}"
 
 
 def whole_optimizer_state(manifest: dict, read: str, state: dict[str, np.ndarray]) -> dict:
@@ -295,8 +303,8 @@ def whole_optimizer_state(manifest: dict, read: str, state: dict[str, np.ndarray
     `state` is the part `read`, already read."""
     shards = manifest[SHARDS]
     parts = [state if part == read else read_part(manifest, part) for part in shards["parts"]]
-    kinds = sorted({key for key in state if key.startswith("shard/")})
-    whole = {key: value for key, value in state.items() if not key.startswith("shard/")}
+    kinds = sorted({key for key in state if key.startswith(SHARD_PREFIX)})
+    whole = {key: value for key, value in state.items() if not key.startswith(SHARD_PREFIX)}
     laid = {key: np.concatenate([part[key] for part in parts]) for key in kinds}
     for position, kind, offset, shape in shards["slots"]:
         size = int(np.prod(shape, dtype=np.int64))
@@ -310,7 +318,7 @@ def load_training_state(variables, optimizer, state: dict[str, np.ndarray]) -> N
     if expected.keys() != state.keys():
         missing = sorted(expected.keys() - state.keys())[:3]
         raise UserError(f"checkpoint does not match this model (missing {missing})")
-    pairs = [(f"weights/{v.path}", v) for v in variables]
+    pairs = [(weight_key(v), v) for v in variables]
     pairs += [(optimizer_key(i), v) for i, v in enumerate(optimizer.variables)]
     assign_checked(state, pairs)
 

@@ -30,6 +30,7 @@ from ringtrain.checkpoint import (
     assign_checked,
     optimizer_key,
     shard_key,
+    weight_key,
     weights_state,
 )
 from ringtrain.dataparallel.engine import DataParallelEngine
@@ -298,12 +299,12 @@ class ShardedDataParallelEngine(DataParallelEngine):
         return weights | self.update.state(self.world.rank)
 
     def load_state(self, state: dict[str, np.ndarray]) -> None:
-        expected = set(weights_state(self.variables))
+        expected = {weight_key(v) for v in self.variables}
         expected |= {optimizer_key(p) for p in range(len(self.update.layout.positions))}
         if expected != state.keys():
             missing = sorted(expected ^ state.keys())[:3]
             raise UserError(f"checkpoint does not match this model (differing {missing})")
-        assign_checked(state, [(f"weights/{v.path}", v) for v in self.variables])
+        assign_checked(state, [(weight_key(v), v) for v in self.variables])
         self.update.load(state)
 
     def checkpoint_meta(self) -> dict:
