@@ -49,16 +49,35 @@ def _mpi(name: str):
     return getattr(MPI, name)
 
 
+_signalled: list[int] = []  # the stop signals this process received, kept across runs
+
+
+def _handle(signum, frame) -> None:
+    _signalled.append(signum)
+
+
+def catch_stop_signals() -> None:
+    """From now on SIGTERM and SIGUSR1 are remembered (stop_requested) instead of ending the
+    process."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, _handle)
+
+
+def stop_requested() -> int:
+    """The first stop signal caught, or 0: a sweep starts no more trials after one."""
+    return _signalled[0] if _signalled else 0
+
+
 class StopSignal:
-    """SIGTERM or SIGUSR1 ask for a checkpoint and a clean stop at the next step boundary."""
+    """SIGTERM or SIGUSR1 ask for a checkpoint and a clean stop at the next step boundary; a
+    signal that came while no run was training (a sweep between trials) still counts."""
 
     def __init__(self):
-        self.requested = 0
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handle)
+        catch_stop_signals()
 
-    def _handle(self, signum, frame) -> None:
-        self.requested = signum
+    @property
+    def requested(self) -> int:
+        return stop_requested()
 
     def agree(self, comm, wait, loss: float) -> tuple[bool, bool]:
         """(stop, loss is finite), the same on every rank, from one Iallreduce per step.

@@ -39,6 +39,11 @@ def info(message: str) -> None:
         _say(sys.stdout, message)
 
 
+def each_rank(message: str) -> None:
+    """A line from whichever rank has it (a sweep's group): rank 0's as info, others' tagged."""
+    (info if _rank == 0 else any_rank)(message)
+
+
 def any_rank(message: str) -> None:
     """A line any rank may need to say (a warning); prefixed with its rank."""
     prefix = f"[rank {_rank}] " if _rank else ""

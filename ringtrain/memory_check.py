@@ -120,7 +120,7 @@ def agreed_limit(cfg: TrainConfig, me: RankInfo) -> Limit | None:
     from ringtrain import runtime
     from ringtrain.comm import Link
 
-    comm = runtime.start_mpi(me.local_size)
+    comm = runtime.communicator(me.local_size)
     none = np.iinfo(np.int64).max
     mine = np.array([limit.bytes, SOURCES.index(limit.source)] if limit else [none, 0], np.int64)
     rows = np.empty(2 * comm.Get_size(), np.int64)

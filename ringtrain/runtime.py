@@ -8,11 +8,13 @@ a rank has no core to spare (an idle rank that spins steals the core something e
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ringtrain import log
 from ringtrain.errors import UserError
-from ringtrain.launch.env import who_am_i
+from ringtrain.launch.env import as_group, who_am_i
 from ringtrain.proc import thread_ids
 
 
@@ -28,6 +30,7 @@ class World:
     hvd: object | None = None  # horovod.tensorflow, when the strategy averages gradients
     process_sets: list | None = None  # Horovod process sets, in the order they were asked for
     launcher: str = "single"  # what started the job (who_am_i's source); decides --progress auto
+    process_set: object | None = None  # what data parallelism averages over; None: every rank
 
 
 def default_threads(local_size: int) -> int:
@@ -158,11 +161,35 @@ def init(with_horovod: bool = True) -> None:
     size_threads(with_horovod)
 
 
+_acting: list[World] = []  # a sweep's rank group, while one of its trials trains
+
+
+@contextmanager
+def acting_as(group: World) -> Iterator[None]:
+    """Train as if `group` were the whole job: who_am_i answers with its ranks, start() returns
+    it, and the checks every rank agrees on run on its communicator. A sweep packs its trials
+    this way, one per group of ranks, inside one launch (MPI and Horovod started once)."""
+    _acting.append(group)
+    try:
+        with as_group(group.rank, group.size):
+            yield
+    finally:
+        _acting.pop()
+
+
+def communicator(local_size: int):
+    """The communicator this job's ranks agree on: the acting group's, else COMM_WORLD."""
+    return _acting[-1].comm if _acting else start_mpi(local_size)
+
+
 def start(
     with_horovod: bool, process_sets: list[list[int]] | None = None, horovod_later: bool = False
 ) -> World:
     """Initialise MPI (and Horovod on the same communicator) and size TensorFlow's thread pools;
-    `horovod_later` sizes them for a Horovod that the caller starts itself (the benchmarks)."""
+    `horovod_later` sizes them for a Horovod that the caller starts itself (the benchmarks).
+    Inside acting_as, the group: already started."""
+    if _acting:
+        return _acting[-1]
     me = who_am_i()
     comm = start_mpi(me.local_size)
     log.set_rank(comm.Get_rank())

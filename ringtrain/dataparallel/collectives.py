@@ -39,14 +39,16 @@ def average_gradients(hvd, grads: list, fp16: bool = False, process_set=None) ->
     return out
 
 
-def average_in_buckets(hvd, grads: list, groups: list[list[int]], loss, stop, fp16: bool):
+def average_in_buckets(
+    hvd, grads: list, groups: list[list[int]], loss, stop, fp16: bool, process_set=None
+):
     """Each bucket's gradients averaged in turn, the loss and the stop flag riding in the first
     bucket's allreduce (so a step needs no collective of its own to agree on stopping):
     (averaged gradients, loss, stop, each bucket's averages as they arrived)."""
     averaged, arrived = list(grads), []
     for b, bucket in enumerate(groups):
         extra = [loss, stop] if b == 0 else []
-        out = average_gradients(hvd, [grads[i] for i in bucket] + extra, fp16)
+        out = average_gradients(hvd, [grads[i] for i in bucket] + extra, fp16, process_set)
         for i, value in zip(bucket, out, strict=False):
             averaged[i] = value
         if b == 0:

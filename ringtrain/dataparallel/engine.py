@@ -109,7 +109,13 @@ class DataParallelEngine(WholeModelReplica):
         arrived = []
         if self.hvd is not None:
             grads, loss, stop, arrived = average_in_buckets(
-                self.hvd, grads, self.buckets, loss, stop, self.cfg.fp16_allreduce
+                self.hvd,
+                grads,
+                self.buckets,
+                loss,
+                stop,
+                self.cfg.fp16_allreduce,
+                self.world.process_set,
             )
         self.optimizer.apply_gradients(zip(grads, self.trainable, strict=True))
         return loss, stop, arrived

@@ -17,7 +17,8 @@ from __future__ import annotations
 import os
 import socket
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ringtrain.launch.hostfile import expand_tasks_per_node
@@ -43,11 +44,28 @@ class RankInfo:
                 f"rank {self.rank} is outside a world of {self.world_size} "
                 f"(read from {self.source})"
             )
-        if not 0 <= self.local_rank < self.local_size <= self.world_size:
+        grouped = self.source == "group"  # a node may hold ranks of other groups
+        if not 0 <= self.local_rank < self.local_size or (
+            self.local_size > self.world_size and not grouped
+        ):
             raise ValueError(
                 f"local rank {self.local_rank} of {self.local_size} does not fit a "
                 f"world of {self.world_size} (read from {self.source})"
             )
+
+
+_group: list[tuple[int, int]] = []  # (rank, size) in the sweep group that trains now
+
+
+@contextmanager
+def as_group(rank: int, size: int) -> Iterator[None]:
+    """Within it, who_am_i answers for a group of ranks (a sweep's) as if it were the job; the
+    node layout stays the launch's, which sizes the threads and shares the node's memory."""
+    _group.append((rank, size))
+    try:
+        yield
+    finally:
+        _group.pop()
 
 
 def who_am_i(environ: Env | None = None) -> RankInfo:
@@ -56,6 +74,8 @@ def who_am_i(environ: Env | None = None) -> RankInfo:
     env = os.environ if environ is None else environ
     rank, size, source = _running_mpi_world() or _launcher_world(env)
     local_rank, local_size = _local_layout(env, rank, size)
+    if _group and environ is None:
+        rank, size, source = *_group[-1], "group"
     node = env.get("SLURMD_NODENAME") or socket.gethostname()
     return RankInfo(rank, size, local_rank, local_size, node, source)
 
