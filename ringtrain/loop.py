@@ -215,6 +215,9 @@ def run(
                 + (f"; checkpoint in {cfg.checkpoint_dir}" if checkpoints else "")
             )
             break
+    if first == total:  # resumed from the last step's checkpoint: its scores, all the same
+        watchdog.kick("evaluation of the finished run")
+        held_out = engine.evaluate()
     if board:
         board.close()
     watchdog.kick("the end-of-run metrics")

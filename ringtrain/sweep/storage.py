@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -63,8 +64,14 @@ def check_writable(storage: StorageURL) -> None:
     if not os.path.isdir(folder):
         raise UserError(f"--storage {storage.url}: folder {folder} does not exist")
     target = storage.path if os.path.exists(storage.path) else folder
-    if not os.access(target, os.W_OK):
-        raise UserError(f"--storage {storage.url}: {target} is not writable")
+    try:  # by writing: access() says yes to root even where the filesystem says no
+        if target == folder:
+            tempfile.TemporaryFile(dir=folder).close()
+        else:
+            open(target, "ab").close()
+    except OSError as exc:
+        problem = f"{target} is not writable ({exc.strerror})"
+        raise UserError(f"--storage {storage.url}: {problem}") from None
 
 
 def open_storage(storage: StorageURL):
