@@ -41,16 +41,26 @@ def trials_of(storage: str, study: str) -> list:
     return optuna.load_study(study_name=study, storage=storage).get_trials(deepcopy=False)
 
 
-def kill_session(sid: int) -> None:
-    """SIGKILL to mpirun and every rank it started: they share its session, not its group."""
+def kill_session(sid: int, sig: int = signal.SIGKILL, ranks_only: bool = False) -> None:
+    """`sig` to mpirun and every rank it started (they share its session, not its group), or
+    to the ranks only, as Slurm signals a job step's tasks."""
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:  # gone already
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[3]) == sid:
-                os.kill(int(entry.name), signal.SIGKILL)
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            command = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # gone already
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[3]) != sid:
+            continue
+        is_rank = b"sweep" in command and Path(command[0].decode()).name != "mpirun"
+        if ranks_only and not is_rank:
+            continue
+        try:
+            os.kill(int(entry.name), sig)
+        except ProcessLookupError:
+            continue
 
 
 @pytest.fixture
@@ -104,59 +114,96 @@ def test_eight_trials_on_two_groups_of_two_prune_the_loser_and_match_training_al
         np.testing.assert_allclose(swept[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+def launched(argv: list[str], ranks: int) -> subprocess.Popen:
+    """A sweep under mpirun in a session of its own, so that the test can signal its ranks."""
+    cmd = [*MPIRUN, str(ranks), str(BIN / "ringtrain"), *argv]
+    out = subprocess.DEVNULL
+    return subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=out, stderr=out, start_new_session=True)
+
+
+def wait_until(storage: str, study: str, ready, what: str) -> list:
+    """Poll the study until `ready(trials)`; the trials then."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        trials = trials_of(storage, study) if Path(storage[len("sqlite:///") :]).exists() else []
+        if trials and ready(trials):
+            return trials
+        time.sleep(0.2)
+    pytest.fail(f"no {what} within 300 s")
+
+
+def running(trials: list, launches: set[str]) -> bool:
+    """A trial of a new launch (not one of `launches`) is training."""
+    return any(
+        t.state == TrialState.RUNNING and t.user_attrs.get(ledger.LAUNCH) not in launches
+        for t in trials
+    )
+
+
 @pytest.mark.mpi
-def test_a_sweep_killed_midway_continues_without_losing_or_repeating_a_trial(space, tmp_path):
-    """Two groups of one rank; the launch is killed (SIGKILL, no checkpoint) once two trials
-    are done. The same command then finishes the study: the interrupted trials are failed
-    and retried once each, and no completed trial runs again."""
+def test_a_sweep_killed_then_preempted_continues_without_losing_or_repeating_a_trial(
+    space, tmp_path
+):
+    """Two groups of one rank. The first launch is killed (SIGKILL, no checkpoint) once two
+    trials are done; the second gets SIGUSR1, as Slurm's preemption warning, while it trains
+    (it checkpoints, exits 75); the third finishes the study. Killed trials are failed and
+    retried once; preempted ones are retried from their checkpoints; no completed trial runs
+    again, and --trials counts a trial and its retries once."""
     storage = f"sqlite:///{tmp_path / 'study.db'}"
     argv = sweep(space, storage, "cont", tmp_path / "out", "--trials", "6", "--group-size", "1")
     argv += ["--sampler", "random", "--pruner", "none", "--trial-heartbeat", "1", *SHARED]
-    argv += ["--epochs", "3"]
-    cmd = [*MPIRUN, "2", str(BIN / "ringtrain"), *argv]
-    first = subprocess.Popen(
-        cmd,
-        env=ENV,
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    argv += ["--epochs", "6", "--checkpoint-every", "20"]
+    first = launched(argv, 2)
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if os.path.exists(tmp_path / "study.db"):
-                states = [t.state for t in trials_of(storage, "cont")]
-                if states.count(TrialState.COMPLETE) >= 2 and TrialState.RUNNING in states:
-                    break
-            time.sleep(0.2)
-        else:
-            pytest.fail("the first launch finished no two trials in 300 s")
+
+        def two_done(trials):
+            states = [t.state for t in trials]
+            return states.count(TrialState.COMPLETE) >= 2 and TrialState.RUNNING in states
+
+        wait_until(storage, "cont", two_done, "two finished trials and one running")
     finally:
         kill_session(first.pid)
         first.wait(60)
     before = {t.number: t for t in trials_of(storage, "cont")}
     completed = {n for n, t in before.items() if t.state == TrialState.COMPLETE}
-    interrupted = {n for n, t in before.items() if t.state == TrialState.RUNNING}
-    assert interrupted, before
-    again = ringtrain(*argv, ranks=2, timeout=600)
-    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
+    killed = {n for n, t in before.items() if t.state == TrialState.RUNNING}
+    launches = {t.user_attrs[ledger.LAUNCH] for t in before.values()}
+    second = launched(argv, 2)
+    try:
+        wait_until(storage, "cont", lambda trials: running(trials, launches), "new trial")
+        time.sleep(1.0)  # past its first checkpoint
+        kill_session(second.pid, signal.SIGUSR1, ranks_only=True)
+        assert second.wait(120) == 75  # EXIT_CHECKPOINTED: requeue me
+    finally:
+        kill_session(second.pid)
+    middle = trials_of(storage, "cont")
+    preempted = {t.number for t in middle if "stop signal" in t.user_attrs.get(ledger.REASON, "")}
+    assert preempted, [(t.number, t.state, t.user_attrs) for t in middle]
+    last = ringtrain(*argv, ranks=2, timeout=600)
+    assert last.returncode == 0, last.stdout[-2000:] + last.stderr[-3000:]
+    assert "resumed from" in last.stdout  # a preempted trial's retry took up its checkpoint
     after = trials_of(storage, "cont")
     assert ledger.counted(after) == 6
-    for t in after:
-        if t.number in completed:  # kept as it was: same state, same launch, same value
-            assert t.state == TrialState.COMPLETE
-            assert t.user_attrs == before[t.number].user_attrs | {}
-            assert t.value == before[t.number].value
-    retries = {t.user_attrs[ledger.RETRY_OF]: t for t in after if ledger.RETRY_OF in t.user_attrs}
-    assert set(retries) == interrupted  # each interrupted trial retried once, nothing else
-    for number in interrupted:
-        failed = after[number]
-        assert failed.state == TrialState.FAIL
-        assert "interrupted" in failed.user_attrs[ledger.REASON]
-        assert retries[number].state == TrialState.COMPLETE
-        assert retries[number].params == failed.params
     assert all(t.state != TrialState.RUNNING for t in after)
+    for n in completed:  # kept as it was
+        assert after[n].state == TrialState.COMPLETE
+        assert after[n].user_attrs == before[n].user_attrs
+        assert after[n].value == before[n].value
+    retries: dict[int, list] = {}
+    for t in after:
+        if ledger.RETRY_OF in t.user_attrs:
+            retries.setdefault(t.user_attrs[ledger.RETRY_OF], []).append(t)
+    interrupted = killed | preempted
+    originals = {ledger.original_number(after[n]) for n in interrupted}
+    assert set(retries) == originals  # only interrupted trials run again
+    for n in interrupted:
+        assert after[n].state == TrialState.FAIL
+        assert "interrupted" in after[n].user_attrs[ledger.REASON]
+        again = retries[ledger.original_number(after[n])]
+        assert again[-1].state == TrialState.COMPLETE, again
+        assert all(r.params == after[n].params for r in again)
+    for n in killed:  # a crash is retried once; a preemption each time
+        assert len(retries[n]) == 1 + len(preempted & {r.number for r in retries[n]})
 
 
 BAD_SPACES = [

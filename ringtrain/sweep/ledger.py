@@ -5,7 +5,8 @@ failed trial a retry replaces.
 A running trial's group beats every `--trial-heartbeat` seconds (`alive_at`). One that missed
 STALE_BEATS beats belongs to a launch that died: the next launch to ask records it as failed
 and, unless it was a retry itself, queues a retry with the same parameters, which resumes from
-the trial's checkpoint. `--trials N` counts a trial and its retry once.
+the trial's checkpoint. A trial a stop signal interrupted (a preemption) is retried each time.
+`--trials N` counts a trial and its retries once.
 """
 
 from __future__ import annotations
@@ -19,9 +20,8 @@ STALE_BEATS = 3
 
 
 def counted(trials: list) -> int:
-    """Trials towards --trials: a failed trial and its retry are one."""
-    replaced = {t.user_attrs[RETRY_OF] for t in trials if RETRY_OF in t.user_attrs}
-    return len(trials) - len(replaced)
+    """Trials towards --trials: a trial and its retries are one."""
+    return len({original_number(t) for t in trials})
 
 
 def original_number(trial) -> int:
@@ -45,14 +45,17 @@ def is_stale(trial, launch: str, heartbeat_s: float, now: float) -> bool:
     return now - last_heard(trial) > STALE_BEATS * heartbeat_s
 
 
-def fail_and_retry(study, trial, reason: str) -> None:
-    """Record `trial` as failed with `reason`; queue its one retry unless it is a retry."""
+def fail_and_retry(study, trial, reason: str, always: bool = False) -> None:
+    """Record `trial` as failed with `reason` and queue a retry with its parameters, which
+    continues its folder: once after a crash (unless it is a retry already), `always` after a
+    stop signal (a preempted trial did nothing wrong, and its checkpoint is fresh)."""
     from optuna.trial import TrialState
 
     study._storage.set_trial_user_attr(trial._trial_id, REASON, reason)
     study.tell(trial.number, state=TrialState.FAIL)
-    if RETRY_OF not in trial.user_attrs:
-        study.enqueue_trial(dict(trial.params), user_attrs={RETRY_OF: trial.number})
+    if always or RETRY_OF not in trial.user_attrs:
+        retry = {RETRY_OF: original_number(trial)}
+        study.enqueue_trial(dict(trial.params), user_attrs=retry)
 
 
 def fail_stale(study, launch: str, heartbeat_s: float) -> list:

@@ -22,21 +22,10 @@ from ringtrain import log
 from ringtrain.errors import EXIT_CHECKPOINTED, UserError, alike_on_every_rank
 from ringtrain.launch.env import who_am_i
 from ringtrain.sweep import ledger
+from ringtrain.sweep.flags import OWNED_FLAGS, tensorboard_folder, trial_flags
 from ringtrain.sweep.space import Param, as_record, check_names, load_space
 from ringtrain.sweep.storage import StorageURL, asking, open_study, parse_storage
 
-# Per-trial outputs: the sweep sets them in each trial's folder, so the shared flags may not.
-OWNED_FLAGS = (
-    "checkpoint-dir",
-    "resume",
-    "weights-out",
-    "metrics-out",
-    "initial-weights-out",
-    "save",
-    "trace",
-    "gantt",
-    "stop-after",
-)
 WAIT_FOR_OTHERS_S = 2.0  # between looks at another launch's running trials
 STORAGE_TIMEOUT_S = 600.0  # for rank 0 to open (or create) the study while the others wait
 
@@ -86,7 +75,9 @@ def check_sweep(args: argparse.Namespace, world_size: int) -> tuple[list[Param],
         flag = token.split("=", 1)[0]
         if flag.startswith("--") and flag[2:] in OWNED_FLAGS:
             raise UserError(f"{flag} is set by the sweep in each trial's folder (see --out)")
-    shared = parse_trial(parser, args.train_argv)
+    shared = parse_trial(
+        parser, trial_flags(args.train_argv, [], os.path.join("out", "trial"), False)
+    )
     check_group_config(shared, args.group_size)
     return space, parser, shared
 
@@ -287,7 +278,7 @@ def _run_trial(study, chosen: dict, args, parser, group, where: str, out: str, s
     """Train one trial on this group and record it (its first rank does); False when a stop
     signal interrupted it (it is then failed with its checkpoint kept, and retried)."""
     from ringtrain import runtime
-    from ringtrain.sweep.trial import Pruning, tensorboard_folder, trial_flags, write_hparams
+    from ringtrain.sweep.trial import Pruning, write_hparams
     from ringtrain.train_command import train_from_args
 
     number, leader, retry_of = chosen["number"], group.rank == 0, chosen["retry_of"]
@@ -342,7 +333,8 @@ def _record(study, chosen, metrics, reason, pruning, objective: str, seconds: fl
         return
     if not metrics.get("finished", True):
         frozen = study._storage.get_trial(trial_id)
-        ledger.fail_and_retry(study, frozen, "interrupted by a stop signal; its checkpoint is kept")
+        reason = "interrupted by a stop signal; its checkpoint is kept"
+        ledger.fail_and_retry(study, frozen, reason, always=True)
         log.each_rank(f"trial {number} interrupted: checkpointed, to be retried")
         return
     if pruning.pruned:
@@ -364,7 +356,7 @@ def _summary(study, args) -> str:
     from collections import Counter
 
     states = Counter(t.state.name.lower() for t in study.get_trials(deepcopy=False))
-    said = ", ".join(f"{n} {state}" for state, n in sorted(states.items()))
+    said = ", ".join(f"{n} {state}" for state, n in sorted(states.items())) or "no trials yet"
     line = f"study {args.study}: {said}"
     if states.get("complete"):
         best = study.best_trial

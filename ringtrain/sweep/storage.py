@@ -5,7 +5,7 @@
   warn against SQLite over a network filesystem);
 - any other SQLAlchemy URL (`postgresql://...`): a database server the user runs.
 
-Asking for a trial happens under a lock beside the file (`PATH.lock`, flock), so that groups
+Asking for a trial happens under a lock beside the file (`PATH.ask-lock`, flock), so that groups
 and concurrent sweeps never start more trials than `--trials` between them. A server URL has
 no such file: there two sweeps at once may overshoot the total by a trial per group.
 """
@@ -35,7 +35,7 @@ class StorageURL:
 
     @property
     def lock_path(self) -> str | None:
-        return f"{self.path}.lock" if self.path else None
+        return f"{self.path}.ask-lock" if self.path else None  # Optuna's journal has .lock
 
 
 def parse_storage(url: str) -> StorageURL:

@@ -1,44 +1,11 @@
-"""One trial as `ringtrain train` runs it: its flags, its pruning, its TensorBoard run."""
+"""What a trial adds to `ringtrain train` inside the process: pruning, TensorBoard hparams."""
 
 from __future__ import annotations
-
-import os
 
 from ringtrain.tensorflow_loader import tf  # noqa: F401  (before Keras)
 
 # isort: split
 import keras
-
-
-def trial_flags(shared: list[str], params: list[list[str]], folder: str, resume: bool) -> list[str]:
-    """The trial's `train` flags: the shared ones, then its parameters (argparse keeps the last
-    of a repeated flag), then its outputs in its folder. `--tensorboard DIR` becomes one run per
-    trial, DIR/trial-NNNNN; a retry resumes from the trial's checkpoint, if it has one."""
-    argv = ["--progress", "none"]  # the trials' lines would interleave; the user may override
-    board = False
-    for token in shared:
-        if board:
-            token, board = os.path.join(token, os.path.basename(folder)), False
-        elif token.startswith("--tensorboard="):
-            token = f"{token}{os.sep}{os.path.basename(folder)}"
-        board = board or token == "--tensorboard"
-        argv.append(token)
-    for flags in params:
-        argv += flags
-    argv += ["--weights-out", os.path.join(folder, "weights.npz")]
-    argv += ["--metrics-out", os.path.join(folder, "metrics.json")]
-    argv += ["--checkpoint-dir", os.path.join(folder, "checkpoints")]
-    return argv + (["--resume"] if resume else [])
-
-
-def tensorboard_folder(argv: list[str]) -> str | None:
-    """Where the trial's --tensorboard run goes, if it has one."""
-    for i, token in enumerate(argv):
-        if token == "--tensorboard" and i + 1 < len(argv):
-            return argv[i + 1]
-        if token.startswith("--tensorboard="):
-            return token.split("=", 1)[1]
-    return None
 
 
 def write_hparams(folder: str, params: dict, number: int) -> None:
