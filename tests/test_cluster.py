@@ -357,6 +357,46 @@ def test_plan_calibrates_across_the_nodes_and_its_recommended_line_trains_there(
     )
 
 
+# --- a sweep across the nodes ---------------------------------------------------------------
+
+
+def test_two_sweeps_at_once_share_one_journal_study_across_the_nodes(shared, tmp_path):
+    """Two launches at once on one study, each 2 groups of 1 rank (one per node), sharing
+    Optuna's journal file on the shared path: the study gets exactly --trials trials, each run
+    once by one group, and none is lost."""
+    import optuna
+    from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+    from ringtrain.sweep import ledger
+
+    space = tmp_path / "space.yaml"
+    space.write_text("lr: {type: float, low: 0.01, high: 0.3, log: true}\n")
+    journal = tmp_path / "study.journal"
+    sweep = [*("sweep", "run", str(space), "--study", "both", "--storage", f"journal:{journal}")]
+    sweep += [*("--trials", "6", "--objective", "val_accuracy", "--direction", "maximize")]
+    sweep += [*("--sampler", "random", "--pruner", "none", "--out", str(tmp_path / "out"))]
+    sweep += [*("--model", "mlp", "--epochs", "2", "--strategy", "single", "--seed", "1")]
+    launcher = ["mpirun", "-np", "2", "-H", "node1:1,node2:1", *NETWORK_FLAGS]
+    argv = [*launcher, *WHERE, "ringtrain", *sweep]
+    options = {"env": ENV, "cwd": ROOT, "stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}
+    both = [subprocess.Popen(argv, text=True, **options) for _ in range(2)]
+    said = [p.communicate(timeout=JOB_TIMEOUT)[0] for p in both]
+    assert [p.returncode for p in both] == [0, 0], said[0][-2000:] + said[1][-2000:]
+    for output in said:
+        assert ranks_on(output) == {0: "node1", 1: "node2"}
+    study = optuna.load_study(
+        study_name="both", storage=JournalStorage(JournalFileBackend(str(journal)))
+    )
+    trials = study.get_trials(deepcopy=False)
+    assert len(trials) == 6 and ledger.counted(trials) == 6
+    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials), trials
+    assert {tuple(t.user_attrs[ledger.HOSTS]) for t in trials} == {("node1",), ("node2",)}
+    assert len({t.user_attrs[ledger.LAUNCH] for t in trials}) == 2  # both launches took trials
+    done = [line for output in said for line in output.splitlines() if " done: " in line]
+    numbers = sorted(int(line.split("trial ")[1].split()[0]) for line in done)
+    assert numbers == list(range(6)), done  # each trial trained once, by one group
+
+
 # --- doctor across hosts, and what one cluster at a time means ------------------------------
 
 

@@ -118,8 +118,8 @@ def run_sweep(args: argparse.Namespace) -> int:
     runtime.init(args.group_size > 1)
     world, group, color = _rank_group(args.group_size)
     hosts = _group_hosts(group)
-    launch = os.environ.get("SLURM_JOB_ID", "") + "-" + uuid.uuid4().hex[:8]
-    launch = _shared_text(group.comm, launch if group.rank == 0 else "")
+    launch = f"{os.environ.get('SLURM_JOB_ID') or hosts[0]}-{uuid.uuid4().hex[:8]}"
+    launch = _shared_text(world.comm, launch if world.rank == 0 else "")  # one per launch
     leader = group.rank == 0
     ranks = list(range(color * args.group_size, (color + 1) * args.group_size))
     where = f"group {color}, ranks {','.join(map(str, ranks))} on {','.join(sorted(set(hosts)))}"
