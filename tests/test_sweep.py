@@ -21,11 +21,12 @@ from ringtrain.sweep import ledger
 SPACE = """\
 lr: {type: float, low: 1.0e-7, high: 0.5, log: true}
 batch-size: {type: categorical, choices: [32, 64]}
+strategy: {type: categorical, choices: [data, pipeline]}
 """
 LOSING_LR = 1e-7  # an update this small leaves the digits at chance after an epoch
 ORDER = [(0.05, 32), (0.1, 64), (0.02, 32), (0.2, 64), (LOSING_LR, 64), (0.05, 64), (0.1, 32)]
 ORDER.append((0.03, 32))
-SHARED = ["--model", "mlp", "--strategy", "data", "--epochs", "2", "--seed", "3"]
+SHARED = ["--model", "mlp", "--epochs", "2", "--seed", "3"]
 SHARED += ["--optimizer", "sgd"]
 
 
@@ -74,13 +75,15 @@ def space(tmp_path: Path) -> Path:
 def test_eight_trials_on_two_groups_of_two_prune_the_loser_and_match_training_alone(
     space, tmp_path
 ):
-    """8 trials queued in a known order, run by 2 groups of 2 ranks. The losing learning rate
-    comes fifth: by the time a group asks for it, at least three trials have finished, so the
-    median pruner (one start-up trial) judges it after its first epoch."""
+    """8 trials queued in a known order, run by 2 groups of 2 ranks, data parallel or a
+    pipeline within the group. The losing learning rate comes fifth: by the time a group asks
+    for it, at least three trials have finished, so the median pruner (one start-up trial)
+    judges it after its first epoch."""
     storage = f"sqlite:///{tmp_path / 'study.db'}"
     study = optuna.create_study(study_name="e2e", storage=storage, direction="maximize")
-    for lr, batch in ORDER:
-        study.enqueue_trial({"lr": lr, "batch-size": batch})
+    for i, (lr, batch) in enumerate(ORDER):
+        strategy = "pipeline" if i % 2 else "data"
+        study.enqueue_trial({"lr": lr, "batch-size": batch, "strategy": strategy})
     argv = sweep(space, storage, "e2e", tmp_path / "out", "--trials", "8", "--group-size", "2")
     argv += ["--startup-trials", "1", *SHARED]
     done = ringtrain(*argv, ranks=4, timeout=600)
@@ -100,8 +103,9 @@ def test_eight_trials_on_two_groups_of_two_prune_the_loser_and_match_training_al
         assert t.user_attrs[ledger.RANKS] == ranks
         assert f"trial {t.number}: group {group}, ranks {ranks[0]},{ranks[1]} on " in said
     assert {t.user_attrs[ledger.GROUP] for t in trials} == {0, 1}
-    # A finished trial's weights are its configuration's, trained alone on one process.
+    # A finished pipeline trial's weights are its configuration's, trained alone on one process.
     chosen = next(t for t in trials if t.state == TrialState.COMPLETE and t.number % 2)
+    assert chosen.params["strategy"] == "pipeline"
     alone = tmp_path / "alone.npz"
     flags = [*SHARED, "--lr", str(chosen.params["lr"]), "--batch-size"]
     flags += [str(chosen.params["batch-size"]), "--strategy", "single", "--weights-out", str(alone)]
