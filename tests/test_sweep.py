@@ -129,7 +129,10 @@ def wait_until(storage: str, study: str, ready, what: str) -> list:
     """Poll the study until `ready(trials)`; the trials then."""
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
-        trials = trials_of(storage, study) if Path(storage[len("sqlite:///") :]).exists() else []
+        try:
+            trials = trials_of(storage, study)
+        except KeyError:  # the launch has not made the study yet
+            trials = []
         if trials and ready(trials):
             return trials
         time.sleep(0.2)
@@ -171,7 +174,7 @@ def test_a_sweep_killed_then_preempted_continues_without_losing_or_repeating_a_t
     before = {t.number: t for t in trials_of(storage, "cont")}
     completed = {n for n, t in before.items() if t.state == TrialState.COMPLETE}
     killed = {n for n, t in before.items() if t.state == TrialState.RUNNING}
-    launches = {t.user_attrs[ledger.LAUNCH] for t in before.values()}
+    launches = {t.user_attrs.get(ledger.LAUNCH) for t in before.values()}  # None: killed asking
     second = launched(argv, 2)
     try:
         wait_until(storage, "cont", lambda trials: running(trials, launches), "new trial")
