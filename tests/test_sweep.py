@@ -20,12 +20,12 @@ from ringtrain.sweep import ledger
 
 SPACE = """\
 lr: {type: float, low: 1.0e-7, high: 0.5, log: true}
-batch-size: {type: categorical, choices: [32, 64]}
+batch-size: {type: categorical, choices: [32, 64, 4096]}
 strategy: {type: categorical, choices: [data, pipeline]}
 """
 LOSING_LR = 1e-7  # an update this small leaves the digits at chance after an epoch
 ORDER = [(0.05, 32), (0.1, 64), (0.02, 32), (0.2, 64), (LOSING_LR, 64), (0.05, 64), (0.1, 32)]
-ORDER.append((0.03, 32))
+ORDER.append((0.03, 4096))  # more than the digits hold: refused, so the trial fails
 SHARED = ["--model", "mlp", "--epochs", "2", "--seed", "3"]
 SHARED += ["--optimizer", "sgd"]
 
@@ -78,7 +78,8 @@ def test_eight_trials_on_two_groups_of_two_prune_the_loser_and_match_training_al
     """8 trials queued in a known order, run by 2 groups of 2 ranks, data parallel or a
     pipeline within the group. The losing learning rate comes fifth: by the time a group asks
     for it, at least three trials have finished, so the median pruner (one start-up trial)
-    judges it after its first epoch."""
+    judges it after its first epoch. The last asks for a batch larger than the data: it fails
+    with its reason, and the sweep goes on."""
     storage = f"sqlite:///{tmp_path / 'study.db'}"
     study = optuna.create_study(study_name="e2e", storage=storage, direction="maximize")
     for i, (lr, batch) in enumerate(ORDER):
@@ -90,11 +91,15 @@ def test_eight_trials_on_two_groups_of_two_prune_the_loser_and_match_training_al
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     trials = trials_of(storage, "e2e")
     assert len(trials) == 8
-    assert all(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials), trials
+    refused = trials[7]
+    assert refused.state == TrialState.FAIL
+    assert "global batch 4096 exceeds" in refused.user_attrs[ledger.REASON]
+    others = trials[:7]
+    assert all(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in others), trials
     by_lr = {t.params["lr"]: t for t in trials}
     loser = by_lr[LOSING_LR]
     assert loser.state == TrialState.PRUNED, loser
-    assert loser.user_attrs[ledger.STEPS] < max(t.user_attrs[ledger.STEPS] for t in trials)
+    assert loser.user_attrs[ledger.STEPS] < max(t.user_attrs[ledger.STEPS] for t in others)
     # Each group's trials on its own ranks, and every trial's line names its group and ranks.
     said = done.stdout + done.stderr
     for t in trials:
