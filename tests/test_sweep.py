@@ -86,7 +86,7 @@ def test_eight_trials_on_two_groups_of_two_prune_the_loser_and_match_training_al
         strategy = "pipeline" if i % 2 else "data"
         study.enqueue_trial({"lr": lr, "batch-size": batch, "strategy": strategy})
     argv = sweep(space, storage, "e2e", tmp_path / "out", "--trials", "8", "--group-size", "2")
-    argv += ["--startup-trials", "1", *SHARED]
+    argv += ["--startup-trials", "1", "--tensorboard", str(tmp_path / "board"), *SHARED]
     done = ringtrain(*argv, ranks=4, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     trials = trials_of(storage, "e2e")
@@ -108,6 +108,13 @@ def test_eight_trials_on_two_groups_of_two_prune_the_loser_and_match_training_al
         assert t.user_attrs[ledger.RANKS] == ranks
         assert f"trial {t.number}: group {group}, ranks {ranks[0]},{ranks[1]} on " in said
     assert {t.user_attrs[ledger.GROUP] for t in trials} == {0, 1}
+    # TensorBoard: a run per trial that trained, with its hyperparameters.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for t in others:
+        board = EventAccumulator(str(tmp_path / "board" / f"trial-{t.number:05d}"))
+        tags = board.Reload().Tags()["tensors"]
+        assert "_hparams_/session_start_info" in tags and "loss" in tags, (t.number, tags)
     # A finished pipeline trial's weights are its configuration's, trained alone on one process.
     chosen = next(t for t in trials if t.state == TrialState.COMPLETE and t.number % 2)
     assert chosen.params["strategy"] == "pipeline"

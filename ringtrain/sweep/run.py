@@ -292,6 +292,10 @@ def _run_trial(study, chosen: dict, args, parser, group, where: str, out: str, s
     by_name = {p.name: p for p in space}
     flags = [by_name[name].flags(value) for name, value in params.items()]
     argv = trial_flags(args.train_argv, flags, folder, retry_of is not None)
+    board = tensorboard_folder(argv)
+    if leader and board:
+        os.makedirs(os.path.dirname(board), exist_ok=True)
+    group.comm.Barrier()  # the folders exist before any rank checks its outputs
     beat = ledger.Heartbeat(study, chosen["id"], args.trial_heartbeat) if leader else None
     pruning = Pruning(study if leader else None, chosen["id"], args.objective)
     started = time.perf_counter()
@@ -303,7 +307,7 @@ def _run_trial(study, chosen: dict, args, parser, group, where: str, out: str, s
             _, result = train_from_args(trial_args, callbacks=[pruning])
         metrics = result.metrics
     except UserError as exc:
-        if not exc.together:
+        if not exc.together and group.size > 1:
             raise  # one rank's own failure: the launch ends (the guard's bounds)
         reason = str(exc)
     finally:
@@ -311,7 +315,7 @@ def _run_trial(study, chosen: dict, args, parser, group, where: str, out: str, s
             beat.stop()
     finished = metrics is None or metrics.get("finished", True)
     if leader:
-        if (board := tensorboard_folder(argv)) and metrics is not None:
+        if board and metrics is not None:
             write_hparams(board, params, number)
         seconds = time.perf_counter() - started
         _record(study, chosen, metrics, reason, pruning, args.objective, seconds)
