@@ -4,6 +4,7 @@ killed midway and continued, and bad inputs in one line."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -278,3 +279,23 @@ def test_a_study_with_another_space_or_direction_is_refused(space, tmp_path):
         "exists with a different search space",
     )
     assert [t.state for t in trials_of(storage, "kept")] == [TrialState.COMPLETE]
+
+
+def test_a_space_reads_as_train_flags_and_records_canonically():
+    from ringtrain.sweep.space import as_record, parse_space
+
+    space = parse_space(
+        {
+            "lr": {"type": "float", "low": 1e-4, "high": 0.3, "log": True},
+            "batch-size": {"type": "int", "low": 32, "high": 128, "step": 32},
+            "shuffle": {"type": "categorical", "choices": [True, False]},
+            "model-arg.units": {"type": "categorical", "choices": [32, [64, 64]]},
+        }
+    )
+    lr, batch, shuffle, units = space
+    assert lr.flags(0.01) == ["--lr", "0.01"]
+    assert batch.grid_values() == [32, 64, 96, 128]
+    assert shuffle.flags(True) == ["--shuffle"] and shuffle.flags(False) == ["--no-shuffle"]
+    assert units.flags([64, 64]) == ["--model-arg", "units=[64, 64]"]
+    same = parse_space({p.name: json.loads(as_record([p]))[p.name] for p in reversed(space)})
+    assert as_record(same) == as_record(space)  # the order of the file does not matter
