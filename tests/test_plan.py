@@ -319,3 +319,22 @@ def test_the_executor_overhead_is_the_reference_runs_beyond_their_compute():
     plain = costmodel.predict_pipeline(base, Candidate(1, 2, "gpipe", 4), 1, 64)
     slower = costmodel.predict_pipeline(cal, Candidate(1, 2, "gpipe", 4), 1, 64)
     assert slower.step_seconds > plain.step_seconds + 4 * 4 / 3 * MS
+
+
+def test_a_sharded_optimizer_divides_the_slots_and_is_recommended_only_when_it_alone_fits():
+    """Adam's two slots per weight, divided among 4 replicas; the same collective bytes (a
+    reduce-scatter and an all-gather are the two halves of a ring allreduce)."""
+    cal = replace(synthetic(params=250_000, link=LinkModel(0.0, 1e9)), optimizer="adam")
+    plain = costmodel.predict_data_parallel(cal, 4, nodes=1, batch=64, fp16=False)
+    sharded = costmodel.predict_data_parallel(cal, 4, nodes=1, batch=64, fp16=False, shard=True)
+    slots = 4 * 250_000 * 2 * 4  # four elements' weights, two slots each, four bytes a word
+    assert plain.peak_bytes - sharded.peak_bytes == slots - slots // 4
+    assert sharded.step_seconds == pytest.approx(plain.step_seconds)
+    assert sharded.candidate.flags() == ["--strategy", "data", "--shard-optimizer"]
+    roomy = costmodel.plan(cal, nodes=1, ranks_per_node=4, batch=64)
+    assert not roomy[0].candidate.shard_optimizer  # a tie goes to the plain run
+    tight = costmodel.plan(
+        cal, nodes=1, ranks_per_node=4, batch=64, memory_per_rank=sharded.peak_bytes
+    )
+    fitting = [p for p in tight if p.fits and p.candidate.pp_size == 1]
+    assert fitting and all(p.candidate.shard_optimizer for p in fitting)

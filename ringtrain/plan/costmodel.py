@@ -168,6 +168,7 @@ class Candidate:
     schedule: str | None = None  # None for data parallel
     microbatches: int = 1
     fp16_allreduce: bool = False
+    shard_optimizer: bool = False  # data parallel's optimizer slots divided among the replicas
 
     @property
     def strategy(self) -> str:
@@ -184,6 +185,8 @@ class Candidate:
             out += ["--schedule", self.schedule, "--microbatches", str(self.microbatches)]
         if self.fp16_allreduce:
             out.append("--fp16-allreduce")
+        if self.shard_optimizer:
+            out.append("--shard-optimizer")
         return out
 
     def label(self) -> str:
@@ -192,6 +195,7 @@ class Candidate:
             name += f" {self.schedule} M={self.microbatches}"
         if self.strategy == "hybrid":
             name = f"hybrid {self.dp_size}x{self.pp_size} {self.schedule} M={self.microbatches}"
+        name += " sharded optimizer" if self.shard_optimizer else ""
         return name + (" fp16 (lossy)" if self.fp16_allreduce else "")
 
 
@@ -238,10 +242,13 @@ def model_bytes(
     }
 
 
-def _weights_bytes(cal: Calibration, elements: range, fp16: bool) -> tuple[int, int]:
-    """(bytes of weights + gradients + optimizer state, bytes one gradient allreduce moves)."""
+def _weights_bytes(
+    cal: Calibration, elements: range, fp16: bool, shards: int = 1
+) -> tuple[int, int]:
+    """(bytes of weights + gradients + optimizer state, the state divided among `shards`
+    replicas; bytes one gradient allreduce moves)."""
     params = sum(cal.elements[i].params for i in elements)
-    state = sum(model_bytes(params, params, _slots(cal), 0).values())
+    state = sum(model_bytes(params, params, _slots(cal), 0, shards).values())
     return state, params * (2 if fp16 else FLOAT_BYTES)
 
 
@@ -268,18 +275,22 @@ def _activation_words(cal: Calibration, elements: range) -> float:
     return sum(cal.elements[i].input_floats + cal.elements[i].output_floats for i in elements)
 
 
-def predict_data_parallel(cal: Calibration, ranks: int, nodes: int, batch: int, fp16: bool):
-    """Data parallel over `ranks` ranks on `nodes` nodes at a global batch."""
+def predict_data_parallel(
+    cal: Calibration, ranks: int, nodes: int, batch: int, fp16: bool, shard: bool = False
+):
+    """Data parallel over `ranks` ranks on `nodes` nodes at a global batch. A sharded
+    optimizer (`shard`) keeps 1/ranks of the slots; its reduce-scatter and all-gather move what
+    a ring allreduce moves (which is those two phases), so its predicted time is the same."""
     per_rank = batch / ranks
     everything = range(len(cal.elements))
     compute = cal.step_compute(per_rank)
-    state, grad_bytes = _weights_bytes(cal, everything, fp16)
+    state, grad_bytes = _weights_bytes(cal, everything, fp16, ranks if shard else 1)
     allreduce = allreduce_seconds(cal.link(cal.allreduce, nodes > 1), ranks, grad_bytes)
     comm = max(allreduce + cal.step_overhead(fp16), 0.0)  # the step is never below its compute
     step, _ = roofline(compute, comm)
     peak = cal.baseline_bytes + cal.runtime_bytes + state
     peak += _activation_bytes(cal, everything, per_rank)
-    candidate = Candidate(ranks, 1, fp16_allreduce=fp16)
+    candidate = Candidate(ranks, 1, fp16_allreduce=fp16, shard_optimizer=shard)
     return Prediction(candidate, step, compute, comm, 0.0, peak, batch / step)
 
 
@@ -360,11 +371,12 @@ def fit_line(points: dict[float, float]) -> tuple[float, float]:
 
 
 def candidates(ranks: int, elements: int, microbatch_counts: list[int]) -> list[Candidate]:
-    """Data parallel (with and without fp16), and every grid D x P with P <= elements, with
-    each pipeline schedule and M."""
+    """Data parallel (with and without fp16, and with its optimizer sharded), and every grid
+    D x P with P <= elements, with each pipeline schedule and M."""
     found = [Candidate(ranks, 1)]
     if ranks > 1:
         found.append(Candidate(ranks, 1, fp16_allreduce=True))
+        found.append(Candidate(ranks, 1, shard_optimizer=True))
     for pp_size in range(2, min(ranks, elements) + 1):
         if ranks % pp_size:
             continue
@@ -389,9 +401,16 @@ def plan(
         if batch % (c.dp_size * c.microbatches):
             continue
         if c.pp_size == 1:
-            p = predict_data_parallel(cal, ranks, nodes, batch, c.fp16_allreduce)
+            p = predict_data_parallel(cal, ranks, nodes, batch, c.fp16_allreduce, c.shard_optimizer)
         else:
             p = predict_pipeline(cal, c, nodes, batch)
         p.fits = memory_per_rank is None or p.peak_bytes <= memory_per_rank
         found.append(p)
-    return sorted(found, key=lambda p: (not p.fits, p.candidate.fp16_allreduce, p.step_seconds))
+
+    # fp16 changes the training (lossy), and sharding adds work its bytes do not show (the
+    # shards' copies, a second collective to wait on): each ranks after the plain run it ties.
+    def order(p: Prediction) -> tuple:
+        c = p.candidate
+        return (not p.fits, c.fp16_allreduce, p.step_seconds, c.shard_optimizer)
+
+    return sorted(found, key=order)
