@@ -1,4 +1,4 @@
-# Shared by the four ringtrain Slurm templates: sourced by them, never run on its own.
+# Shared by the five ringtrain Slurm templates: sourced by them, never run on its own.
 #
 # It prepares one training step and runs it so that a time limit or a preemption ends in a
 # checkpoint and a requeue instead of lost work. The contract with `ringtrain train`:

@@ -345,6 +345,7 @@ def test_templates_are_plain_sbatch_scripts():
         "data-multinode.sbatch",
         "hybrid.sbatch",
         "pipeline.sbatch",
+        "sweep.sbatch",
     ]
     assert bash_syntax_ok((TEMPLATE_DIR / "common.sh").read_text())
     for template in TEMPLATES:
@@ -353,11 +354,15 @@ def test_templates_are_plain_sbatch_scripts():
         for line in (
             "#SBATCH --output=%x-%j.out",
             "#SBATCH --signal=B:USR1@60",
+            "#SBATCH --requeue",
             'source "$RINGTRAIN_HOME/slurm/common.sh"',
-            "--resume",
         ):
             assert line in text, (template.name, line)
-        assert "ringtrain train --strategy " + template.stem.split("-")[0] in text
+        if template.stem == "sweep":  # its trials resume by themselves when retried
+            assert "ringtrain_step ringtrain sweep run " in text
+        else:
+            assert "ringtrain train --strategy " + template.stem.split("-")[0] in text
+            assert "--resume" in text, template.name
 
 
 @pytest.mark.parametrize(
@@ -368,6 +373,7 @@ def test_templates_are_plain_sbatch_scripts():
         ("pipeline", 1, 4, None, "pipeline.sbatch"),
         ("pipeline", 2, 2, 4, "pipeline.sbatch"),
         ("hybrid", 2, 3, 3, "hybrid.sbatch"),
+        ("sweep", 2, 4, None, "sweep.sbatch"),
     ],
 )
 def test_render_rewrites_the_settings(strategy, nodes, tasks, pp_size, template):
@@ -508,6 +514,7 @@ def test_bad_time_is_rejected(text):
         ("hybrid", 1, 4, 0, "does not divide"),
         ("hybrid", 1, 4, None, "hybrid needs --pp-size"),
         ("data", 1, 4, 2, "data parallelism has no stages"),
+        ("sweep", 1, 4, 2, "a sweep's trials take it after --"),
         ("pipeline", 1, 4, 2, "every one of the 4 tasks a stage"),
         ("data", 0, 4, None, "at least one node"),
         ("pipeline", 1, 0, None, "at least one task"),
@@ -548,8 +555,10 @@ def run_batch_script(
     send: signal.Signals | None = None,
     fake_exit: str = "",
     mpi_types: str = "none pmi2 pmix",
+    argv: tuple[str, ...] = ("hybrid.sbatch", "--epochs", "3"),
 ) -> tuple[int, Path]:
-    """Run slurm/hybrid.sbatch as sbatch would, with fakes on PATH; return (rc, output dir)."""
+    """Run a template (slurm/hybrid.sbatch unless `argv` names another, with its arguments) as
+    sbatch would, with fakes on PATH; return (rc, output dir)."""
     venv, out = tmp_path / "venv", tmp_path / "out"
     (venv / "bin").mkdir(parents=True)
     out.mkdir()
@@ -574,9 +583,7 @@ def run_batch_script(
         "FAKE_EXIT": fake_exit,
         "FAKE_MPI_TYPES": mpi_types,
     }
-    batch = subprocess.Popen(
-        [BASH, str(TEMPLATE_DIR / "hybrid.sbatch"), "--epochs", "3"], env=env, cwd=tmp_path
-    )
+    batch = subprocess.Popen([BASH, str(TEMPLATE_DIR / argv[0]), *argv[1:]], env=env, cwd=tmp_path)
     if send is not None:
         deadline = time.monotonic() + 10
         while not (out / "ready").exists() and time.monotonic() < deadline:
@@ -622,6 +629,29 @@ def test_step_runs_ringtrain_train_with_srun_pmix_and_one_pool_per_task(tmp_path
         "3",
     ]
     assert (out / "threads").read_text().split() == ["3", "3", "3"]
+
+
+SWEEP_ARGV = ("sweep.sbatch", "space.yaml", "--trials", "8", "--epochs", "3")
+
+
+def test_sweep_keeps_its_study_in_a_journal_named_after_the_job_and_is_requeued(tmp_path):
+    done, stopped = tmp_path / "done", tmp_path / "stopped"
+    done.mkdir()
+    stopped.mkdir()
+    rc, out = run_batch_script(done, fake_exit="0", argv=SWEEP_ARGV)
+    assert rc == 0 and (done / "sweeps").is_dir()  # the storage's folder must exist
+    assert (out / "args").read_text().split() == [
+        *("sweep", "run", "--study", "demo", "--storage", "journal:sweeps/demo.journal"),
+        *("--out", "sweeps/demo", *SWEEP_ARGV[1:]),
+    ]
+    rc, out = run_batch_script(stopped, send=signal.SIGUSR1, argv=SWEEP_ARGV)
+    assert (rc, (out / "scontrol").read_text().strip()) == (75, "requeue 42")
+
+
+def test_sweep_without_arguments_says_what_it_needs(tmp_path, capfd):
+    rc, out = run_batch_script(tmp_path, fake_exit="0", argv=("sweep.sbatch",))
+    assert rc == 1 and not (out / "args").exists()
+    assert "no sweep arguments: SPACE --trials N" in capfd.readouterr().err
 
 
 def test_step_falls_back_to_mpirun_without_pmix(tmp_path):

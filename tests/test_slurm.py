@@ -121,6 +121,28 @@ def test_template_trains_and_completes_under_sbatch(
         assert "pipeline 1: ranks [2, 3]" in output, output[-3000:]
 
 
+def test_sweep_template_runs_a_study_in_groups_under_sbatch(slurm, tmp_path):
+    """slurm/sweep.sbatch: two tasks as two groups of one rank, the study in its journal under
+    SWEEP_DIR (named after the job), every trial recorded."""
+    import optuna
+    from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+    space = tmp_path / "space.yaml"
+    space.write_text("lr: {type: float, low: 0.01, high: 0.3, log: true}\n")
+    sweep = [str(space), "--trials", "3", "--objective", "val_accuracy", "--direction", "maximize"]
+    sweep += ["--sampler", "random", "--model", "mlp", *TINY]
+    options = ["--ntasks-per-node=2", "--job-name=search"]
+    template = str(ROOT / "slurm" / "sweep.sbatch")
+    record, output = run_job(slurm, [*options, template, *sweep], cwd=tmp_path, env=HOME)
+    assert (record.state, record.exit_code, record.restarts) == ("COMPLETED", 0, 0), output[-3000:]
+    journal = JournalStorage(JournalFileBackend(str(tmp_path / "sweeps" / "search.journal")))
+    trials = optuna.load_study(study_name="search", storage=journal).get_trials()
+    assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE] * 3, output[-3000:]
+    assert {t.user_attrs["group"] for t in trials} == {0, 1}
+    assert "study search: 3 complete" in output, output[-3000:]
+    assert "Traceback" not in output
+
+
 def test_rendered_script_runs_under_sbatch_from_any_folder(slurm, tmp_path):
     """A rendered copy carries this checkout's path: it needs no RINGTRAIN_HOME, and finds
     slurm/common.sh and the venv from a folder that has neither."""

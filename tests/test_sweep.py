@@ -299,3 +299,7 @@ def test_a_space_reads_as_train_flags_and_records_canonically():
     assert units.flags([64, 64]) == ["--model-arg", "units=[64, 64]"]
     same = parse_space({p.name: json.loads(as_record([p]))[p.name] for p in reversed(space)})
     assert as_record(same) == as_record(space)  # the order of the file does not matter
+    from ringtrain.sweep.flags import WITH_CHECKPOINTS, without
+
+    shared = ["--keep", "2", "--lr", "0.1", "--checkpoint-every=5", "--epochs", "3"]
+    assert without(shared, WITH_CHECKPOINTS) == ["--lr", "0.1", "--epochs", "3"]

@@ -91,7 +91,7 @@ def add_slurm_arguments(subparser: argparse.ArgumentParser) -> None:
         "render",
         help="write a batch script from slurm/<template>.sbatch",
         description="Print (or write) a checked Slurm batch script; arguments after -- go to "
-        "`ringtrain train`.",
+        "`ringtrain train` (to `ringtrain sweep run` for --strategy sweep).",
     )
     parser.add_argument("--strategy", required=True, choices=STRATEGIES)
     parser.add_argument(
@@ -112,7 +112,7 @@ def add_slurm_arguments(subparser: argparse.ArgumentParser) -> None:
         "train_args",
         nargs="*",
         metavar="-- TRAIN_ARGS",
-        help="default arguments of `ringtrain train` in the script",
+        help="default arguments of `ringtrain train` (of `ringtrain sweep run`) in the script",
     )
     parser.set_defaults(launch_run=_render, prog=parser.prog)
 

@@ -19,7 +19,7 @@ from ringtrain.launch.network import ENV_VAR, configured_network
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE_DIR = REPO_ROOT / "slurm"
-STRATEGIES = ("data", "pipeline", "hybrid")
+STRATEGIES = ("data", "pipeline", "hybrid", "sweep")  # sweep: trials in groups of ranks
 
 _JOB_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 # MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS, told apart by the day and the colon count.
@@ -145,6 +145,8 @@ def _check_layout(strategy: str, nodes: int, ntasks_per_node: int, pp_size: int 
     tasks = nodes * ntasks_per_node
     if strategy == "data" and pp_size is not None:
         raise ValueError("--pp-size is for pipeline and hybrid; data parallelism has no stages")
+    if strategy == "sweep" and pp_size is not None:
+        raise ValueError("--pp-size is for pipeline and hybrid; a sweep's trials take it after --")
     if strategy == "pipeline" and pp_size not in (None, tasks):
         raise ValueError(
             f"--pp-size {pp_size}: pipeline makes every one of the {tasks} tasks a "

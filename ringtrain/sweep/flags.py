@@ -18,6 +18,24 @@ OWNED_FLAGS = (
     "stop-after",
 )
 
+# Shared flags that only make sense beside the per-trial checkpoint folder the sweep adds.
+WITH_CHECKPOINTS = ("checkpoint-every", "keep")
+
+
+def without(argv: list[str], names: tuple[str, ...]) -> list[str]:
+    """`argv` without the flags `names` (each with its value, `--x V` or `--x=V`)."""
+    kept, skip = [], False
+    for token in argv:
+        if skip:
+            skip = False
+            continue
+        flag, equals, _ = token.partition("=")
+        if flag.startswith("--") and flag[2:] in names:
+            skip = not equals
+            continue
+        kept.append(token)
+    return kept
+
 
 def trial_flags(shared: list[str], params: list[list[str]], folder: str, resume: bool) -> list[str]:
     """The trial's `train` flags: the shared ones, then its parameters (argparse keeps the last

@@ -153,19 +153,24 @@ def _agreed_study(args, storage: StorageURL, space: list[Param], seed: int, me):
             record,
             args.objective,
             list(args.train_argv),
-            _sampler(args, space, seed, me.rank),
+            None,
             _pruner(args),
         )
 
     agreed(lambda: attempt() if me.rank == 0 else None, me, STORAGE_TIMEOUT_S)
-    return attempt() if me.rank % args.group_size == 0 else None
+    if me.rank % args.group_size:
+        return None
+    study = attempt()
+    study.sampler = _sampler(args, space, seed, me.rank, len(study.get_trials(deepcopy=False)))
+    return study
 
 
-def _sampler(args, space: list[Param], seed: int, rank: int):
-    """Each group's own seed (the same one would propose the same parameters in every group)."""
+def _sampler(args, space: list[Param], seed: int, rank: int, trials_before: int):
+    """Each group's own seed, and each launch's: the same seed would propose the same
+    parameters in every group, and a continued study would repeat its first launch's."""
     import optuna
 
-    seed = seed * 1000 + rank
+    seed = (seed * 1000 + rank) * 100_003 + trials_before
     if args.sampler == "grid":
         return optuna.samplers.GridSampler({p.name: p.grid_values() for p in space}, seed=seed)
     if args.sampler == "random":
