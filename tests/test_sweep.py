@@ -266,10 +266,23 @@ def test_bad_sweep_flags_and_storages_are_one_line(space, tmp_path):
 
 
 def test_a_study_with_another_space_or_direction_is_refused(space, tmp_path):
+    """The study as a sweep over `space` left it (made here without training: the refusal
+    comes before any), with a finished trial that must survive the refusals."""
+    from ringtrain.sweep.space import as_record, load_space
+    from ringtrain.sweep.storage import open_study, parse_storage
+
     storage = f"sqlite:///{tmp_path / 's.db'}"
+    kept = open_study(
+        parse_storage(storage),
+        "kept",
+        "maximize",
+        as_record(load_space(str(space))),
+        "val_accuracy",
+        ["--model", "mlp"],
+    )
+    kept.enqueue_trial({"lr": 0.1, "batch-size": 32, "strategy": "data"})
+    kept.tell(kept.ask(), 0.9)
     first = sweep(space, storage, "kept", tmp_path / "out", "--trials", "1", "--model", "mlp")
-    done = ringtrain(*first, "--steps", "2", "--strategy", "single")
-    assert done.returncode == 0, done.stderr[-2000:]
     minimize = [a if a != "maximize" else "minimize" for a in first]
     one_line_error(ringtrain(*minimize), "exists with --direction maximize")
     other = tmp_path / "other.yaml"
