@@ -417,6 +417,83 @@ def input_table(report: dict) -> str:
     )
 
 
+def sweep_table(report: dict) -> str:
+    """A sweep's trials per hour, packed in groups of one rank against one group on every
+    rank, per model; the trials' own seconds and the launch's time outside them."""
+    lines = [
+        "| model | contender | trials/h (median, min–max) | × wide, per round: median "
+        "(min–max) | launch s (median) | a trial's s (median) | launch s outside the busiest "
+        "group's trials (median) | a trial's training samples/s (median) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for e in report["summary"]:
+        ratio = f"{e['vs_wide_median']:.2f} ({_span(e['vs_wide_per_round'], '.2f')})"
+        lines.append(
+            f"| {e['model']} | {e['contender']} | {_range(e, 'trials_per_hour')} | {ratio} | "
+            f"{e['wall_seconds_median']:.1f} | {e['trial_seconds_median']:.2f} | "
+            f"{e['outside_trials_seconds_median']:.1f} | "
+            f"{e['trial_samples_per_sec_median']:.0f} |"
+        )
+    groups = "; ".join(
+        f"{name}: {_many(c['groups'], 'group')} of {_many(c['group_size'], 'rank')}, "
+        f"`--strategy {c['strategy']}`"
+        for name, c in report["contenders"].items()
+    )
+    steps = ", ".join(f"{m} {n}" for m, n in report["steps_per_trial"].items())
+    load = report["load_average"]
+    before = [r["load_1min_before"] for r in report["raw"]]
+    intro = (
+        f"`ringtrain bench sweep` on {machine(report['machine'])}: one `ringtrain sweep run` "
+        f"launch of {len(report['trial_lrs'])} trials per contender on {report['ranks']} ranks "
+        f"({groups}), the same learning rates queued in the study, every trial to its full "
+        f"steps ({steps}) at global batch {report['global_batch']}; "
+        + "; ".join(f"{m}: {what}" for m, what in report["models"].items())
+        + f". Medians of {report['rounds']} alternating rounds{_mode(report)}, each ratio "
+        f"against the wide launch of its own round and model. Pinning: "
+        f"{report['pinning']['rule']}. The machine's load average (1 min) was "
+        f"{load['start'][0]:.1f} at the start and {load['end'][0]:.1f} at the end, "
+        f"{_span(before, '.1f')} before the launches."
+    )
+    return "\n".join([intro, "", *lines])
+
+
+def _many(n: int, thing: str) -> str:
+    return f"{n} {thing}{'' if n == 1 else 's'}"
+
+
+def sweep_summary(reports: list[dict]) -> str:
+    """Whether packing beat widening, per model, and how far a trial on every rank was from
+    the speed-up widening needs to match packing (one trial per group, each as fast): whole,
+    and in its training steps alone."""
+    findings = []
+    for report in reports:
+        ranks = report["ranks"]
+        for model, r in report["ratios"].items():
+            ratio, faster, steps = (
+                r["packed_over_wide"],
+                r["wide_trial_speedup"],
+                r["wide_steps_speedup"],
+            )
+            won, rounds = r["packed_won_rounds"], len(ratio["per_round"])
+            verdict = (
+                "packing beat widening"
+                if ratio["median"] > 1
+                else "widening beat packing"
+                if ratio["median"] < 1
+                else "packing and widening tied"
+            )
+            findings.append(
+                f"- **{model}**: {verdict} (packed won {won} of {rounds} rounds): "
+                f"{ratio['median']:.2f}× the trials per hour "
+                f"({_span(ratio['per_round'], '.2f')} over the rounds). A trial on {ranks} "
+                f"ranks ran {faster['median']:.2f}× as fast as one of the packed trials "
+                f"({_span(faster['per_round'], '.2f')}), its training steps alone "
+                f"{steps['median']:.2f}× ({_span(steps['per_round'], '.2f')}); to match "
+                f"packing's {ranks} trials at a time, it must run {ranks}× as fast."
+            )
+    return "\n".join(findings)
+
+
 def allreduce_table(report: dict) -> str:
     lines = [
         "| ranks | size | Horovod busbw | Horovod in a step busbw | MPI out-of-place busbw | "
@@ -718,13 +795,17 @@ PAGE_RESULTS = {
     "input.md": (("input", input_table), ("input-cluster", input_table)),
     "pipeline.md": (("pipeline", pipeline_table), ("pipeline-cluster", pipeline_table)),
     "pipeline-sizes.md": (("pipeline-sizes", sizes_table),),
+    "sweeps.md": (("sweep", sweep_table),),
     "planning.md": (
         ("plan-cluster-2gbit", plan_table),
         ("plan-cluster-200mbit", plan_table),
     ),
 }
 # Findings across all of a page's results, written before its tables.
-PAGE_SUMMARIES: dict[str, Callable[[list[dict]], str]] = {"data-parallel.md": dp_summary}
+PAGE_SUMMARIES: dict[str, Callable[[list[dict]], str]] = {
+    "data-parallel.md": dp_summary,
+    "sweeps.md": sweep_summary,
+}
 SIMULATED_ON = "pipeline.md"
 
 

@@ -37,9 +37,9 @@ def end_job(code: int) -> None:
     MPI.COMM_WORLD.Abort(code)
 
 
-def abort_job(message: str, rank: int, code: int) -> None:
+def abort_job(message: str, rank: int, code: int, prog: str = "ringtrain train") -> None:
     """One line naming the problem, then the end of the whole job."""
-    report("ringtrain train", message, rank)
+    report(prog, message, rank)
     end_job(code)
 
 

@@ -21,9 +21,11 @@ from ringtrain.sweep import ledger
 
 SPACE = """\
 lr: {type: float, low: 1.0e-7, high: 0.5, log: true}
-batch-size: {type: categorical, choices: [32, 64, 4096]}
+batch-size: {type: categorical, choices: [32, 64]}
 strategy: {type: categorical, choices: [data, pipeline]}
 """
+# The end-to-end sweep's space also holds a batch larger than the digits: a refused trial.
+E2E_SPACE = SPACE.replace("[32, 64]", "[32, 64, 4096]")
 LOSING_LR = 1e-7  # an update this small leaves the digits at chance after an epoch
 ORDER = [(0.05, 32), (0.1, 64), (0.02, 32), (0.2, 64), (LOSING_LR, 64), (0.05, 64), (0.1, 32)]
 ORDER.append((0.03, 4096))  # more than the digits hold: refused, so the trial fails
@@ -43,9 +45,10 @@ def trials_of(storage: str, study: str) -> list:
     return optuna.load_study(study_name=study, storage=storage).get_trials(deepcopy=False)
 
 
-def kill_session(sid: int, sig: int = signal.SIGKILL, ranks_only: bool = False) -> None:
-    """`sig` to mpirun and every rank it started (they share its session, not its group), or
-    to the ranks only, as Slurm signals a job step's tasks."""
+def session_ranks(sid: int, ranks_only: bool = True) -> list[int]:
+    """The processes of mpirun's session `sid` (mpirun and the ranks it started: they share
+    its session, not its group), or its ranks only."""
+    found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -57,10 +60,24 @@ def kill_session(sid: int, sig: int = signal.SIGKILL, ranks_only: bool = False) 
         if int(stat.rsplit(")", 1)[1].split()[3]) != sid:
             continue
         is_rank = b"sweep" in command and Path(command[0].decode()).name != "mpirun"
-        if ranks_only and not is_rank:
-            continue
+        if is_rank or not ranks_only:
+            found.append(int(entry.name))
+    return found
+
+
+def rank_of(pid: int) -> int | None:
+    for line in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+        if line.startswith(b"OMPI_COMM_WORLD_RANK="):
+            return int(line.split(b"=")[1])
+    return None
+
+
+def kill_session(sid: int, sig: int = signal.SIGKILL, ranks_only: bool = False) -> None:
+    """`sig` to mpirun and every rank it started, or to the ranks only, as Slurm signals a
+    job step's tasks."""
+    for pid in session_ranks(sid, ranks_only):
         try:
-            os.kill(int(entry.name), sig)
+            os.kill(pid, sig)
         except ProcessLookupError:
             continue
 
@@ -73,15 +90,15 @@ def space(tmp_path: Path) -> Path:
 
 
 @pytest.mark.mpi
-def test_eight_trials_on_two_groups_of_two_prune_the_loser_and_match_training_alone(
-    space, tmp_path
-):
+def test_eight_trials_on_two_groups_of_two_prune_the_loser_and_match_training_alone(tmp_path):
     """8 trials queued in a known order, run by 2 groups of 2 ranks, data parallel or a
     pipeline within the group. The losing learning rate comes fifth: by the time a group asks
     for it, at least three trials have finished, so the median pruner (one start-up trial)
     judges it after its first epoch. The last asks for a batch larger than the data: it fails
     with its reason, and the sweep goes on."""
     storage = f"sqlite:///{tmp_path / 'study.db'}"
+    space = tmp_path / "space.yaml"
+    space.write_text(E2E_SPACE)
     study = optuna.create_study(study_name="e2e", storage=storage, direction="maximize")
     for i, (lr, batch) in enumerate(ORDER):
         strategy = "pipeline" if i % 2 else "data"
@@ -257,6 +274,10 @@ def test_bad_sweep_flags_and_storages_are_one_line(space, tmp_path):
     ]
     for extra, needle in cases:
         one_line_error(ringtrain(*argv, *extra), needle)
+    listed = tmp_path / "grid.yaml"
+    listed.write_text("lr: {type: categorical, choices: [0.01, 0.1]}\n")
+    grid = sweep(listed, storage, "grid", tmp_path / "out", "--trials", "3", "--sampler", "grid")
+    one_line_error(ringtrain(*grid), "--trials 3 is more than the grid's 2 points")
     unwritable = sweep(space, "sqlite:////sys/s.db", "x", tmp_path / "out", "--trials", "2")
     one_line_error(ringtrain(*unwritable), "/sys is not writable")
     nobody = sweep(space, "postgresql://u:pw@127.0.0.1:1/db", "x", tmp_path / "o", "--trials", "2")
@@ -316,3 +337,32 @@ def test_a_space_reads_as_train_flags_and_records_canonically():
 
     shared = ["--keep", "2", "--lr", "0.1", "--checkpoint-every=5", "--epochs", "3"]
     assert without(shared, WITH_CHECKPOINTS) == ["--lr", "0.1", "--epochs", "3"]
+
+
+@pytest.mark.mpi
+def test_a_group_whose_rank_stops_ends_the_launch_naming_it(space, tmp_path):
+    """A group of one rank stopped mid-trial (SIGSTOP: no connection breaks, so MPI never
+    fails): the other group, done with the study, sees its trial stop beating and ends the
+    launch in one line instead of waiting at the last barrier forever."""
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    argv = sweep(space, storage, "stuck", tmp_path / "out", "--trials", "3", "--group-size", "1")
+    argv += ["--sampler", "random", "--pruner", "none", "--trial-heartbeat", "1", *SHARED]
+    argv += ["--epochs", "6"]
+    cmd = [*MPIRUN, "2", str(BIN / "ringtrain"), *argv]
+    out = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    launch = subprocess.Popen(cmd, env=ENV, cwd=ROOT, start_new_session=True, **out)
+    try:
+
+        def group_one(trials):
+            return any(t.user_attrs.get(ledger.GROUP) == 1 for t in trials)
+
+        wait_until(storage, "stuck", group_one, "a trial of group 1")
+        stopped = [p for p in session_ranks(launch.pid) if rank_of(p) == 1]
+        assert len(stopped) == 1
+        os.kill(stopped[0], signal.SIGSTOP)
+        output, _ = launch.communicate(timeout=300)
+    finally:
+        kill_session(launch.pid)
+    assert launch.returncode == 3, output[-3000:]  # EXIT_SILENT_PEER
+    assert "group 1 on " in output and "fell silent: no heartbeat for" in output, output[-3000:]
+    assert "Traceback" not in output

@@ -78,6 +78,11 @@ BENCHES = {
         "a CNN trained from TFRecord files on disk, under a memory cgroup, against memory",
         5,
     ),
+    "sweep": (
+        "ringtrain.bench.sweep_bench",
+        "a sweep's trials packed in groups of 1 rank against data parallel on 2: trials/hour",
+        5,
+    ),
 }
 PROTOCOL = "@bench "  # marks driver replies among whatever else a rank prints on stdout
 
@@ -99,10 +104,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """One subcommand per benchmark, all with the same flags."""
     sub = parser.add_subparsers(dest="bench", required=True, parser_class=type(parser))
     for name, (module, purpose, full_rounds) in BENCHES.items():
+        bench = importlib.import_module(module)
         p = sub.add_parser(name, help=purpose, description=purpose, prog=f"{parser.prog} {name}")
         p.add_argument("--quick", action="store_true", help="a smoke run (under 3 minutes)")
         p.add_argument(
-            "--rounds", type=_rounds, help=f"alternation rounds (default {full_rounds}, quick 3)"
+            "--rounds",
+            type=_rounds,
+            help=f"alternation rounds (default {full_rounds}, quick {quick_rounds(bench)})",
         )
         p.add_argument(
             "--out",
@@ -110,9 +118,15 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         )
         p.add_argument("--png", help=f"the chart (default {RESULTS}/{name}.png; quick: scratch)")
         p.set_defaults(prog=p.prog)
-        more = getattr(importlib.import_module(module), "add_arguments", None)
+        more = getattr(bench, "add_arguments", None)
         if more is not None:  # a bench's own flags
             more(p)
+
+
+def quick_rounds(bench) -> int:
+    """A quick run's rounds: 3, or fewer where a bench's every launch starts TensorFlow in
+    several processes and 3 rounds would not fit a test's minute."""
+    return getattr(bench, "QUICK_ROUNDS", 3)
 
 
 def _default_outputs(args: argparse.Namespace) -> None:
@@ -151,9 +165,9 @@ def _prepare_outputs(args: argparse.Namespace) -> None:
 def run_bench_command(args: argparse.Namespace) -> int:
     """Measure, then write the JSON and the chart and print the summary lines."""
     module_name, _, full_rounds = BENCHES[args.bench]
-    args.rounds = args.rounds or (3 if args.quick else full_rounds)
-    _prepare_outputs(args)
     bench = importlib.import_module(module_name)
+    args.rounds = args.rounds or (quick_rounds(bench) if args.quick else full_rounds)
+    _prepare_outputs(args)
     started, cpu_before = time.perf_counter(), cpu_ticks()
     try:
         result = bench.measure(args)

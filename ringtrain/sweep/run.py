@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 import uuid
@@ -58,8 +59,9 @@ def check_sweep(args: argparse.Namespace, world_size: int) -> tuple[list[Param],
         if p.name in OWNED_FLAGS:
             raise UserError(f"search space: {p.name} is set by the sweep for each trial")
     if args.sampler == "grid":
-        for p in space:
-            p.grid_values()
+        points = math.prod(len(p.grid_values()) for p in space)
+        if args.trials > points:
+            raise UserError(f"--trials {args.trials} is more than the grid's {points} points")
     if args.objective != "loss" and not args.objective.startswith("val_"):
         raise UserError(
             f"--objective {args.objective}: want loss or val_METRIC (a held-out metric, e.g. "
@@ -132,10 +134,37 @@ def run_sweep(args: argparse.Namespace) -> int:
             break
     stopped = guard.stop_requested()
     group.comm.Barrier()
-    world.comm.Barrier()  # every group is done: the launch ends together
+    _wait_for_every_group(world, study, launch, args.trial_heartbeat)
     if me.rank == 0:
         log.info(_summary(study, args))
     return EXIT_CHECKPOINTED if stopped else 0
+
+
+def _wait_for_every_group(world, study, launch: str, heartbeat_s: float) -> None:
+    """The launch ends together, once every group is done. A group whose node went silent
+    would hold the others here forever (no connection breaks, so MPI never fails): while they
+    wait, each group's first rank watches this launch's running trials, and one that stopped
+    beating ends the launch, naming its group and hosts. Its trial is retried by the next."""
+    from optuna.trial import TrialState
+
+    from ringtrain.errors import EXIT_SILENT_PEER
+    from ringtrain.guard import abort_job
+
+    everyone, looked = world.comm.Ibarrier(), time.monotonic()
+    while not everyone.Test():
+        time.sleep(0.05)
+        if study is None or time.monotonic() - looked < WAIT_FOR_OTHERS_S:
+            continue  # the groups' first ranks watch, every few seconds
+        looked = time.monotonic()
+        now = time.time()
+        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            silent = now - ledger.last_heard(t)
+            mine = t.user_attrs.get(ledger.LAUNCH) == launch
+            if mine and silent > ledger.STALE_BEATS * heartbeat_s:
+                group, hosts = t.user_attrs.get(ledger.GROUP), t.user_attrs.get(ledger.HOSTS)
+                where = f"group {group} on {','.join(sorted(set(hosts or [])))}"
+                message = f"trial {t.number}'s {where} fell silent: no heartbeat for {silent:.0f} s"
+                abort_job(message, world.rank, EXIT_SILENT_PEER, "ringtrain sweep run")
 
 
 def _agreed_study(args, storage: StorageURL, space: list[Param], seed: int, me):
@@ -167,15 +196,28 @@ def _agreed_study(args, storage: StorageURL, space: list[Param], seed: int, me):
 
 def _sampler(args, space: list[Param], seed: int, rank: int, trials_before: int):
     """Each group's own seed, and each launch's: the same seed would propose the same
-    parameters in every group, and a continued study would repeat its first launch's."""
+    parameters in every group, and a continued study would repeat its first launch's. The
+    grid instead shuffles its points by one seed, and hands them out by trial number."""
     import optuna
 
+    if args.sampler == "grid":  # the same order everywhere: trial N takes grid point N
+        return _grid({p.name: p.grid_values() for p in space}, seed)
     seed = (seed * 1000 + rank) * 100_003 + trials_before
-    if args.sampler == "grid":
-        return optuna.samplers.GridSampler({p.name: p.grid_values() for p in space}, seed=seed)
     if args.sampler == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     return optuna.samplers.TPESampler(seed=seed, n_startup_trials=args.startup_trials)
+
+
+def _grid(space: dict, seed: int):
+    """Optuna's grid sampler, without its stop once every point is visited: that stop works
+    only inside study.optimize (elsewhere it raises), and --trials ends a sweep here."""
+    import optuna
+
+    class SweepGrid(optuna.samplers.GridSampler):
+        def after_trial(self, study, trial, state, values) -> None:
+            return None
+
+    return SweepGrid(space, seed=seed)
 
 
 def _pruner(args):
