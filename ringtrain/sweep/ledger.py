@@ -36,23 +36,33 @@ def last_heard(trial) -> float:
     return trial.datetime_start.timestamp() if trial.datetime_start else 0.0
 
 
+def silent(trial, heartbeat_s: float, now: float) -> bool:
+    """Whether a running trial missed STALE_BEATS beats."""
+    return now - last_heard(trial) > STALE_BEATS * heartbeat_s
+
+
 def is_stale(trial, launch: str, heartbeat_s: float, now: float) -> bool:
-    """Running, not ours, and silent for STALE_BEATS beats."""
+    """Running, not ours, and silent."""
     from optuna.trial import TrialState
 
     if trial.state != TrialState.RUNNING or trial.user_attrs.get(LAUNCH) == launch:
         return False
-    return now - last_heard(trial) > STALE_BEATS * heartbeat_s
+    return silent(trial, heartbeat_s, now)
+
+
+def fail(study, trial_id: int, number: int, reason: str) -> None:
+    """Record a trial as failed, with its one-line reason."""
+    from optuna.trial import TrialState
+
+    study._storage.set_trial_user_attr(trial_id, REASON, reason)
+    study.tell(number, state=TrialState.FAIL)
 
 
 def fail_and_retry(study, trial, reason: str, always: bool = False) -> None:
     """Record `trial` as failed with `reason` and queue a retry with its parameters, which
     continues its folder: once after a crash (unless it is a retry already), `always` after a
     stop signal (a preempted trial did nothing wrong, and its checkpoint is fresh)."""
-    from optuna.trial import TrialState
-
-    study._storage.set_trial_user_attr(trial._trial_id, REASON, reason)
-    study.tell(trial.number, state=TrialState.FAIL)
+    fail(study, trial._trial_id, trial.number, reason)
     if always or RETRY_OF not in trial.user_attrs:
         retry = {RETRY_OF: original_number(trial)}
         study.enqueue_trial(dict(trial.params), user_attrs=retry)

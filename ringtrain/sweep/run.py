@@ -77,16 +77,10 @@ def check_sweep(args: argparse.Namespace, world_size: int) -> tuple[list[Param],
         flag = token.split("=", 1)[0]
         if flag.startswith("--") and flag[2:] in OWNED_FLAGS:
             raise UserError(f"{flag} is set by the sweep in each trial's folder (see --out)")
-    shared = parse_trial(
-        parser, trial_flags(args.train_argv, [], os.path.join("out", "trial"), False)
-    )
+    as_a_trial = trial_flags(args.train_argv, [], os.path.join("out", "trial"), False)
+    shared = parser.parse_args(as_a_trial)  # with the outputs the sweep adds
     check_group_config(shared, args.group_size)
     return space, parser, shared
-
-
-def parse_trial(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
-    """A trial's flags, read as `ringtrain train` reads them."""
-    return parser.parse_args(argv)
 
 
 def check_group_config(args: argparse.Namespace, group_size: int) -> None:
@@ -115,11 +109,12 @@ def run_sweep(args: argparse.Namespace) -> int:
     out = os.path.abspath(args.out or os.path.join("sweeps", args.study))
     study = _agreed_study(args, storage, space, shared.seed, me)
     from ringtrain import guard, runtime
+    from ringtrain.heartbeat import gather_hosts
 
     guard.catch_stop_signals()  # a stop between trials must not kill the process
     runtime.init(args.group_size > 1)
     world, group, color = _rank_group(args.group_size)
-    hosts = _group_hosts(group)
+    hosts = gather_hosts(group.comm)
     launch = f"{os.environ.get('SLURM_JOB_ID') or hosts[0]}-{uuid.uuid4().hex[:8]}"
     launch = _shared_text(world.comm, launch if world.rank == 0 else "")  # one per launch
     leader = group.rank == 0
@@ -158,12 +153,12 @@ def _wait_for_every_group(world, study, launch: str, heartbeat_s: float) -> None
         looked = time.monotonic()
         now = time.time()
         for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            silent = now - ledger.last_heard(t)
             mine = t.user_attrs.get(ledger.LAUNCH) == launch
-            if mine and silent > ledger.STALE_BEATS * heartbeat_s:
+            if mine and ledger.silent(t, heartbeat_s, now):
                 group, hosts = t.user_attrs.get(ledger.GROUP), t.user_attrs.get(ledger.HOSTS)
                 where = f"group {group} on {','.join(sorted(set(hosts or [])))}"
-                message = f"trial {t.number}'s {where} fell silent: no heartbeat for {silent:.0f} s"
+                quiet = now - ledger.last_heard(t)
+                message = f"trial {t.number}'s {where} fell silent: no heartbeat for {quiet:.0f} s"
                 abort_job(message, world.rank, EXIT_SILENT_PEER, "ringtrain sweep run")
 
 
@@ -182,7 +177,6 @@ def _agreed_study(args, storage: StorageURL, space: list[Param], seed: int, me):
             record,
             args.objective,
             list(args.train_argv),
-            None,
             _pruner(args),
         )
 
@@ -257,15 +251,8 @@ def _rank_group(group_size: int):
     )
 
 
-def _group_hosts(group) -> list[str]:
-    from ringtrain.heartbeat import gather_hosts
-
-    return gather_hosts(group.comm)
-
-
 def _shared_text(comm, text: str) -> str:
-    """The group's first rank's text on every rank of the group: a length, then the bytes (no
-    pickle)."""
+    """Rank 0's text on every rank of `comm`: a length, then the bytes (no pickle)."""
     raw = np.frombuffer(text.encode(), np.uint8)
     size = np.array([len(raw)], np.int64)
     comm.Bcast(size, root=0)
@@ -348,7 +335,7 @@ def _run_trial(study, chosen: dict, args, parser, group, where: str, out: str, s
     started = time.perf_counter()
     reason, metrics = None, None
     try:
-        trial_args = parse_trial(parser, argv)
+        trial_args = parser.parse_args(argv)
         check_group_config(trial_args, args.group_size)
         with runtime.acting_as(group):
             _, result = train_from_args(trial_args, callbacks=[pruning])
@@ -377,29 +364,24 @@ def _record(study, chosen, metrics, reason, pruning, objective: str, seconds: fl
     if metrics is not None:
         storage.set_trial_user_attr(trial_id, ledger.STEPS, metrics["steps"])
     storage.set_trial_user_attr(trial_id, ledger.SECONDS, round(seconds, 3))
+    if reason is None and metrics.get("finished", True) and not pruning.pruned:
+        value = pruning.final_value(metrics)
+        if value is not None:
+            study.tell(number, value)
+            log.each_rank(f"trial {number} done: {objective} {value:.4f}")
+            return
+        reason = f"the run reported no {objective}"
     if reason is not None:
-        storage.set_trial_user_attr(trial_id, ledger.REASON, reason)
-        study.tell(number, state=TrialState.FAIL)
+        ledger.fail(study, trial_id, number, reason)
         log.each_rank(f"trial {number} failed: {reason}")
-        return
-    if not metrics.get("finished", True):
-        frozen = study._storage.get_trial(trial_id)
-        reason = "interrupted by a stop signal; its checkpoint is kept"
-        ledger.fail_and_retry(study, frozen, reason, always=True)
-        log.each_rank(f"trial {number} interrupted: checkpointed, to be retried")
-        return
-    if pruning.pruned:
+    elif pruning.pruned:
         study.tell(number, state=TrialState.PRUNED)
         log.each_rank(f"trial {number} pruned after epoch {pruning.epochs}")
-        return
-    value = pruning.final_value(metrics)
-    if value is None:
-        storage.set_trial_user_attr(trial_id, ledger.REASON, f"the run reported no {objective}")
-        study.tell(number, state=TrialState.FAIL)
-        log.each_rank(f"trial {number} failed: the run reported no {objective}")
-        return
-    study.tell(number, value)
-    log.each_rank(f"trial {number} done: {objective} {value:.4f}")
+    else:  # a stop signal: checkpointed, not finished
+        frozen = study._storage.get_trial(trial_id)
+        why = "interrupted by a stop signal; its checkpoint is kept"
+        ledger.fail_and_retry(study, frozen, why, always=True)
+        log.each_rank(f"trial {number} interrupted: checkpointed, to be retried")
 
 
 def _summary(study, args) -> str:

@@ -129,7 +129,6 @@ def open_study(
     space_record: str,
     objective: str,
     train_argv: list[str],
-    sampler=None,
     pruner=None,
 ):
     """The study `name`, created if new; one that exists must have this direction, space and
@@ -144,7 +143,6 @@ def open_study(
                 storage=backend,
                 study_name=name,
                 direction=direction,
-                sampler=sampler,
                 pruner=pruner,
                 load_if_exists=True,
             )

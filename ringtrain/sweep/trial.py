@@ -13,7 +13,7 @@ def write_hparams(folder: str, params: dict, number: int) -> None:
     from tensorboard.plugins.hparams import api as hparams
 
     with tf.summary.create_file_writer(folder).as_default():
-        hparams.hparams({k: v for k, v in params.items()}, trial_id=f"trial-{number:05d}")
+        hparams.hparams(dict(params), trial_id=f"trial-{number:05d}")
 
 
 class Pruning(keras.callbacks.Callback):
