@@ -7,6 +7,7 @@ a line naming that peer and its host.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import NamedTuple
 
@@ -78,6 +79,30 @@ class Link:
         """Wait for a posted receive under the usual deadline, which starts now."""
         self.wait(posted.request, posted.source, posted.what, posted.buf.nbytes)
         return posted.buf
+
+    def send_named(self, arrays: dict[str, np.ndarray], dest: int, tag: int, what: str) -> None:
+        """Named float32 tensors as three buffers (header length, JSON header of names and
+        shapes, every value in one flat array), so no pickle carries them; sent by flush."""
+        header = json.dumps([[k, list(a.shape)] for k, a in arrays.items()]).encode()
+        values = [np.ravel(a) for a in arrays.values()]
+        flat = np.concatenate(values).astype(np.float32) if values else np.empty(0, np.float32)
+        for buf in (np.array([len(header)], np.int64), np.frombuffer(header, np.uint8), flat):
+            self.send_buffer(np.ascontiguousarray(buf), dest, tag, what)
+
+    def recv_named(self, source: int, tag: int, what: str) -> dict[str, np.ndarray]:
+        """What send_named sent, in its order."""
+        size = self.recv_buffer(np.empty(1, np.int64), source, tag, what)
+        header = self.recv_buffer(np.empty(int(size[0]), np.uint8), source, tag, what)
+        names = json.loads(header.tobytes())
+        flat = self.recv_buffer(
+            np.empty(sum(int(np.prod(s)) for _, s in names), np.float32), source, tag, what
+        )
+        arrays, offset = {}, 0
+        for name, shape in names:
+            n = int(np.prod(shape))
+            arrays[name] = flat[offset : offset + n].reshape(shape)
+            offset += n
+        return arrays
 
     def flush(self) -> None:
         """Complete every outstanding send; their buffers may be reused afterwards."""

@@ -356,40 +356,86 @@ def keras_grid(world_size: int) -> list[TrainConfig]:
     return grid
 
 
-def keras_check(cfg: TrainConfig, world: runtime.World, sets: dict, check: str = "keras") -> dict:
-    """One zoo model's run under cfg against Keras's fit; rank 0's report (`check` names it,
-    with how far any replica's weights are from rank 0's)."""
-    import keras
+def zoo_model(name: str):
+    """(what builds the model, x, y): a zoo model of tests/user_models.py (or a variant of one
+    here) and the first examples of its data."""
     import user_models
-    from reference import compare_updates, first_examples, keras_fit_updates
+    from reference import first_examples
+
+    data_name, n = KERAS_ZOO[name]
+    x, y = getattr(user_models, data_name)()
+    build = SHARD_VARIANTS.get(name) or getattr(user_models, name)
+    return build, first_examples(x, n), first_examples(y, n)
+
+
+def keras_shares(cfg: TrainConfig, world_size: int) -> int:
+    """The forward passes a global batch is cut into: replicas times microbatches (or slices)."""
+    pp = pp_size_of(cfg, world_size)
+    return (world_size // pp) * (cfg.microbatches if pp > 1 else cfg.accumulate)
+
+
+def reference_key(cfg: TrainConfig, world_size: int) -> tuple[str, int]:
+    """(model, microbatches) of cfg's reference: only BatchNormalization sees the shares."""
+    return cfg.model, keras_shares(cfg, world_size) if cfg.model == "bn_cnn" else 1
+
+
+def fit_keras_references(configs: list[TrainConfig], world: runtime.World) -> None:
+    """Keras's fit of every reference `configs` need, dealt out across the ranks so that they
+    fit at once: rank 0 keeps each in KERAS_REFERENCES as (initial weights, final weights,
+    trainable paths)."""
+    from reference import keras_fit_updates
+
+    from ringtrain.bench.common import deal_out
+
+    wanted: dict[tuple[str, int], TrainConfig] = {}  # in one order on every rank
+    for cfg in configs:
+        wanted.setdefault(reference_key(cfg, world.size), cfg)
+    trainable: dict[tuple[str, int], list[str]] = {}
+
+    def fit(key: tuple[str, int], cfg: TrainConfig) -> dict:
+        build, x, y = zoo_model(key[0])
+        found = keras_fit_updates(
+            build, x, y, cfg.batch_size, cfg.steps, seed=cfg.seed, microbatches=key[1]
+        )
+        trainable[key] = [v.path for v in found.model.trainable_weights]
+        return {f"initial:{k}": v for k, v in found.initial.items()} | {
+            f"final:{k}": v for k, v in found.final.items()
+        }
+
+    fitted = deal_out(world.comm, [functools.partial(fit, key, cfg) for key, cfg in wanted.items()])
+    paths: dict = {}
+    for part in world.comm.gather(trainable, root=0) or []:  # names only, no tensors
+        paths |= part
+    for key, tensors in zip(wanted, fitted, strict=False):  # [] off rank 0
+        initial, final = (
+            {k.removeprefix(p): v for k, v in tensors.items() if k.startswith(p)}
+            for p in ("initial:", "final:")
+        )
+        KERAS_REFERENCES[key] = (initial, final, set(paths[key]))
+
+
+def keras_check(cfg: TrainConfig, world: runtime.World, sets: dict, check: str = "keras") -> dict:
+    """One zoo model's run under cfg against Keras's fit (fit_keras_references); rank 0's
+    report (`check` names it, with how far any replica's weights are from rank 0's)."""
+    import keras
+    from reference import compare_updates
 
     from ringtrain.data import Examples, UserData
 
-    data_name, n = KERAS_ZOO[cfg.model]
-    x, y = getattr(user_models, data_name)()
-    x, y = first_examples(x, n), first_examples(y, n)
-    build = SHARD_VARIANTS.get(cfg.model) or getattr(user_models, cfg.model)
+    build, x, y = zoo_model(cfg.model)
     keras.utils.set_random_seed(cfg.seed)
     model = build()
     metrics, weights = trained(model, UserData(Examples(x, y)), cfg, world, sets)
     apart = replicas_differ(model, world.comm) if check != "keras" else None
     if world.rank != 0:
         return {}
-    pp = pp_size_of(cfg, world.size)
-    shares = (world.size // pp) * (cfg.microbatches if pp > 1 else cfg.accumulate)
-    batch_norm = cfg.model == "bn_cnn"
-    micro = shares if batch_norm else 1
-    key = (cfg.model, micro)
-    if key not in KERAS_REFERENCES:
-        KERAS_REFERENCES[key] = keras_fit_updates(
-            build, x, y, cfg.batch_size, cfg.steps, seed=cfg.seed, microbatches=micro
-        )
-    ref = KERAS_REFERENCES[key]
-    names = set(ref.initial)
-    if batch_norm and shares > 1 and pp_size_of(cfg, world.size) < world.size:
-        names = {v.path for v in ref.model.trainable_weights}  # replicas' own statistics
+    initial, final, trainable = KERAS_REFERENCES[reference_key(cfg, world.size)]
+    names = set(initial)
+    replicas_normalise = pp_size_of(cfg, world.size) < world.size
+    if cfg.model == "bn_cnn" and keras_shares(cfg, world.size) > 1 and replicas_normalise:
+        names = trainable  # replicas' own statistics
     pick = lambda found: {k: found[k] for k in sorted(names)}  # noqa: E731
-    update = compare_updates(pick(ref.initial), pick(weights), pick(ref.final))
+    update = compare_updates(pick(initial), pick(weights), pick(final))
     return {
         "check": check,
         "replicas_max_abs_diff": apart,
@@ -401,7 +447,55 @@ def keras_check(cfg: TrainConfig, world: runtime.World, sets: dict, check: str =
     }
 
 
-KERAS_REFERENCES: dict[tuple, object] = {}
+KERAS_REFERENCES: dict[tuple[str, int], tuple[dict, dict, set]] = {}
+
+
+KERAS_ZOO |= dict.fromkeys(("bn_cnn_synchronized", "subclassed"), KERAS_ZOO["bn_cnn"])  # refused
+
+
+def keras_refusals(world_size: int) -> list[TrainConfig]:
+    """On 2 ranks, what a model cannot train as: a subclassed one in pipeline stages,
+    synchronized BatchNormalization under data parallelism, --loop fit on global batches that
+    do not divide among the ranks."""
+    if world_size != 2:
+        return []
+    base = TrainConfig(batch_size=KERAS_BATCH, steps=KERAS_STEPS, seed=KERAS_SEED, shuffle=False)
+    return [
+        replace(base, model="subclassed", strategy="pipeline", microbatches=4),
+        replace(base, model="bn_cnn_synchronized", strategy="data"),
+        replace(base, model="residual_cnn", strategy="data", loop="fit", batch_size=63),
+    ]
+
+
+def keras_refusal(cfg: TrainConfig, world: runtime.World) -> dict:
+    """ringtrain.train's refusal of cfg, as `ringtrain train` meets it: rank 0's report holds
+    each rank's message, exit code, whether all ranks stop there together and whether this
+    rank leaves saying it to rank 0 (None: that rank trained instead)."""
+    import keras
+    import user_models
+
+    from ringtrain import api
+    from ringtrain.data import Examples, UserData
+    from ringtrain.errors import UserError
+
+    build, x, y = zoo_model(cfg.model)
+    keras.utils.set_random_seed(cfg.seed)
+    as_named = replace(cfg, model=f"{user_models.__file__}:{cfg.model}")  # --model PATH.py:NAME
+    try:
+        api.train(build(), UserData(Examples(x, y)), as_named)
+        said = None
+    except UserError as refused:
+        said = {
+            "message": str(refused),
+            "exit_code": refused.exit_code,
+            "together": refused.together,
+            "quiet": refused.said_elsewhere,
+        }
+    return {
+        "check": "keras-refusal",
+        "config": {k: v for k, v in cfg.as_dict().items() if k in REPORTED},
+        "ranks": world.comm.gather(said, root=0),
+    }
 
 
 def main() -> None:
@@ -419,8 +513,13 @@ def main() -> None:
     sets = dict(zip(sorted(needed), world.process_sets, strict=True))
     with tempfile.TemporaryDirectory(prefix="initial-weights-") as mine:
         check_against_reference(configs, world, sets, world.comm.bcast(mine))  # rank 0's folder
+    fit_keras_references(keras_grid(size), world)
     for cfg in keras_grid(size):
         report = keras_check(cfg, world, sets)
+        if world.rank == 0:
+            print(json.dumps(report), flush=True)
+    for cfg in keras_refusals(size):
+        report = keras_refusal(cfg, world)
         if world.rank == 0:
             print(json.dumps(report), flush=True)
     if len(sys.argv) > 1:
@@ -498,6 +597,7 @@ def shard_main() -> None:
     world = runtime.start(with_horovod=True)
     with tempfile.TemporaryDirectory(prefix="initial-weights-") as mine:
         check_against_reference(shard_builtins(size), world, {}, world.comm.bcast(mine))
+    fit_keras_references(shard_grid(size), world)
     for cfg in shard_grid(size):
         report = keras_check(cfg, world, {}, check="keras-shard")
         if world.rank == 0:

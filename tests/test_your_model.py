@@ -5,18 +5,20 @@ model, model file or flag combination is refused in one line."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pytest
 from conftest import BIN, ENV, ROOT, run
 from reference import keras_fit_updates, saved_model_updates
-from test_bad_input import said_once, train_under_mpirun
+from test_bad_input import said_once
 
 from ringtrain.errors import EXIT_USAGE
 
@@ -24,22 +26,33 @@ USER_MODELS = ROOT / "tests" / "user_models.py"
 BATCH, STEPS, SEED = 64, 5, 7  # 300 examples: the fifth batch is partial, as Keras's fit has it
 
 
-def train(*args: str, launcher: list[str] | None = None, timeout: float = 300):
-    """`ringtrain train` on the residual CNN of tests/user_models.py, as a user would run it."""
+def train(
+    *args: str, optimizer: str = "adam", launcher: list[str] | None = None, timeout: float = 300
+):
+    """`ringtrain train` on the residual CNN of tests/user_models.py, compiled with `optimizer`,
+    as a user would run it."""
     cmd = [*(launcher or []), str(BIN / "ringtrain"), "train"]
-    cmd += ["--model", f"{USER_MODELS}:residual_cnn", "--data", f"{USER_MODELS}:digits_split"]
-    cmd += ["--no-shuffle", "--batch-size", str(BATCH), "--steps", str(STEPS)]
+    cmd += ["--model", f"{USER_MODELS}:residual_cnn", "--model-arg", f"optimizer={optimizer!r}"]
+    cmd += ["--data", f"{USER_MODELS}:digits_split", "--no-shuffle"]
+    cmd += ["--batch-size", str(BATCH), "--steps", str(STEPS)]
     return run([*cmd, "--seed", str(SEED), *args], timeout=timeout)
 
 
 @pytest.fixture(scope="module")
-def reference():
-    """Keras's own fit of the same model on the same examples, in order, in one process."""
+def references():
+    """Keras's own fit of the same model on the same examples, in order, in one process: once
+    per optimizer asked for."""
     sys.path.insert(0, str(USER_MODELS.parent))
     import user_models
 
     (x, y), _ = user_models.digits_split()
-    return keras_fit_updates(user_models.residual_cnn, x, y, BATCH, STEPS, seed=SEED)
+
+    @functools.cache
+    def fit(optimizer: str):
+        build = user_models.residual_cnn
+        return keras_fit_updates(build, x, y, BATCH, STEPS, seed=SEED, optimizer=optimizer)
+
+    return fit
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 4])
@@ -65,54 +78,107 @@ def test_every_zoo_model_under_every_strategy_updates_as_keras_fit_does(ranks, g
         assert r["steps"] == 3 and r["update"]["passed"], r
 
 
+class Launch(NamedTuple):
+    """How the CLI is launched, its flags, and what the residual CNN is compiled with."""
+
+    launcher: list[str]
+    flags: list[str]
+    optimizer: str = "adam"
+
+
+MPIRUN_2 = ["mpirun", "--oversubscribe", "-np", "2"]
 LAUNCHES = {
-    "single": ([], ["--strategy", "single"]),
-    "data-horovodrun": (["horovodrun", "-np", "2", "-H", "localhost:2"], ["--strategy", "data"]),
-    "data-mpirun": (  # with the CLI's accumulation and bucket flags, which keep it exact
-        ["mpirun", "--oversubscribe", "-np", "2"],
+    # SGD with Nesterov momentum: the unbroken run the resume test below matches too
+    "single": Launch([], ["--strategy", "single"], "nesterov"),
+    "data-horovodrun": Launch(  # with the CLI's accumulation and bucket flags, which keep it exact
+        ["horovodrun", "-np", "2", "-H", "localhost:2"],
         ["--strategy", "data", "--accumulate", "2", "--bucket-mb", "1"],
     ),
-    "data-mpirun-fit": (  # the user's own model.fit on each rank, gradients allreduced
-        ["mpirun", "--oversubscribe", "-np", "2"],
-        ["--strategy", "data", "--loop", "fit"],
+    "data-mpirun-fit": Launch(  # the user's own model.fit on each rank, gradients allreduced
+        MPIRUN_2, ["--strategy", "data", "--loop", "fit"]
     ),
-    "pipeline-mpirun": (
-        ["mpirun", "--oversubscribe", "-np", "2"],
-        ["--strategy", "pipeline", "--schedule", "1f1b", "--microbatches", "4"],
+    "pipeline-mpirun": Launch(
+        MPIRUN_2, ["--strategy", "pipeline", "--schedule", "1f1b", "--microbatches", "4"]
     ),
 }
 
 
+class Launched(NamedTuple):
+    """A launch that ran, and the files it wrote."""
+
+    done: subprocess.CompletedProcess
+    saved: Path  # --save
+    metrics: Path  # --metrics-out
+    weights: Path  # --weights-out
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """Each of LAUNCHES run once, whichever tests read it."""
+    runs: dict[str, Launched] = {}
+
+    def launch(name: str) -> Launched:
+        if name not in runs:
+            out = tmp_path_factory.mktemp(name)
+            saved, metrics, weights = out / "trained.keras", out / "metrics.json", out / "w.npz"
+            launcher, flags, optimizer = LAUNCHES[name]
+            outputs = ["--save", str(saved), "--metrics-out", str(metrics)]
+            outputs += ["--weights-out", str(weights)]
+            done = train(*flags, *outputs, optimizer=optimizer, launcher=launcher)
+            runs[name] = Launched(done, saved, metrics, weights)
+        return runs[name]
+
+    return launch
+
+
 @pytest.mark.parametrize("launch", LAUNCHES)
-def test_the_cli_trains_a_users_model_as_keras_fit_does(launch, reference, tmp_path):
-    """Per tensor within the exactness bound of Keras's fit; the saved .keras file loads in a
-    fresh process and gives the held-out loss and accuracy the run reported."""
-    launcher, strategy = LAUNCHES[launch]
-    saved, metrics = tmp_path / "trained.keras", tmp_path / "metrics.json"
-    done = train(*strategy, "--save", str(saved), "--metrics-out", str(metrics), launcher=launcher)
+def test_the_cli_trains_a_users_model_as_keras_fit_does(launch, launched, references):
+    """Per tensor within the exactness bound of Keras's fit, as the saved .keras file holds
+    it; the metrics file reports the run's steps (and the flags that reached it)."""
+    ran = launched(launch)
+    done = ran.done
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "held-out accuracy" in done.stdout and "Traceback" not in done.stderr
-    comparison = saved_model_updates(saved, reference)
+    comparison = saved_model_updates(ran.saved, references(LAUNCHES[launch].optimizer))
     assert comparison.ok, comparison.describe()
-    reported = json.loads(metrics.read_text())
+    reported = json.loads(ran.metrics.read_text())
     assert reported["steps"] == STEPS and reported["epochs"] == 1
-    if "--accumulate" in strategy:  # the flags reached the run
+    if "--accumulate" in LAUNCHES[launch].flags:  # the flags reached the run
         assert reported["config"]["accumulate"] == 2 and reported["config"]["bucket_mb"] == 1
-    check = f"""
+
+
+FRESH_EVALUATION = """
 import json, sys
-sys.path.insert(0, {str(USER_MODELS.parent)!r})
+sys.path.insert(0, {tests!r})
 import keras, user_models
-model = keras.models.load_model({str(saved)!r})
 _, (x, y) = user_models.digits_split()
-print(json.dumps(model.evaluate(x, y, batch_size=512, verbose=0, return_dict=True)))
+for path in sys.argv[1:]:
+    model = keras.models.load_model(path)
+    print(json.dumps(model.evaluate(x, y, batch_size=512, verbose=0, return_dict=True)))
 """
+
+
+def test_every_saved_model_loads_in_a_fresh_process_and_scores_as_its_run_reported(launched):
+    """Each launch's .keras file loads in a process that imports nothing from ringtrain (one
+    for them all) and gives the held-out loss and accuracy its run reported."""
+    runs = [launched(name) for name in LAUNCHES]
+    for r in runs:
+        assert r.done.returncode == 0, r.done.stderr[-2000:]
+    script = FRESH_EVALUATION.format(tests=str(USER_MODELS.parent))
     fresh = subprocess.run(
-        [sys.executable, "-c", check], capture_output=True, text=True, env=ENV, timeout=120
+        [sys.executable, "-c", script, *(str(r.saved) for r in runs)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
     )
     assert fresh.returncode == 0, fresh.stderr[-2000:]
-    evaluated = json.loads(fresh.stdout.splitlines()[-1])
-    for name in ("loss", "accuracy"):
-        assert evaluated[name] == pytest.approx(reported["held_out"][name], rel=1e-5, abs=1e-6)
+    evaluated = [json.loads(line) for line in fresh.stdout.splitlines() if line.startswith("{")]
+    assert len(evaluated) == len(runs)
+    for r, scores in zip(runs, evaluated, strict=True):
+        reported = json.loads(r.metrics.read_text())["held_out"]
+        for name in ("loss", "accuracy"):
+            assert scores[name] == pytest.approx(reported[name], rel=1e-5, abs=1e-6), r.saved
 
 
 BAD_MODELS = """
@@ -125,33 +191,12 @@ def uncompiled():
     inputs = keras.Input((8, 8, 1))
     return keras.Model(inputs, keras.layers.Dense(10)(keras.layers.Flatten()(inputs)))
 
-class Subclassed(keras.Model):
-    def __init__(self):
-        super().__init__()
-        self.flat, self.dense = keras.layers.Flatten(), keras.layers.Dense(10)
-
-    def call(self, x):
-        return self.dense(self.flat(x))
-
-def subclassed():
-    model = Subclassed()
-    model(keras.ops.zeros((1, 8, 8, 1)))
-    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
-    return model
-
 def shared_at_both_ends():
     inputs = keras.Input((8, 8, 1))
     shared = keras.layers.Dense(1, name="shared")
     hidden = keras.layers.Dense(1, name="middle")(shared(inputs))
     model = keras.Model(inputs, shared(hidden))
     model.compile(optimizer="adam", loss="mse")
-    return model
-
-def synchronized_norm():
-    inputs = keras.Input((8, 8, 1))
-    hidden = keras.layers.BatchNormalization(synchronized=True)(inputs)
-    model = keras.Model(inputs, keras.layers.Dense(10)(keras.layers.Flatten()(hidden)))
-    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
     return model
 
 def per_example_loss():
@@ -205,30 +250,39 @@ def test_bad_user_model_flags_are_refused_before_tensorflow(args, needle, before
     ],
 )
 def test_a_bad_model_function_is_refused_in_one_line(function, needle, bad_models):
-    args = ["--model", f"{bad_models}:{function}", "--steps", "1", "--strategy", "single"]
-    said_once(run([str(BIN / "ringtrain"), "train", *args], timeout=120), EXIT_USAGE, needle)
+    """In process (the check needs no MPI): what `ringtrain train` says in its one line when
+    it builds --model (the resume test below shows how such a line ends a run)."""
+    from ringtrain.errors import UserError
+    from ringtrain.keras_model.source import build_user_model
+
+    with pytest.raises(UserError, match=re.escape(needle)) as refused:
+        build_user_model(f"{bad_models}:{function}", [], SEED)
+    assert refused.value.exit_code == EXIT_USAGE and "\n" not in str(refused.value)
 
 
-PIPELINE = ["--strategy", "pipeline", "--steps", "1", "--batch-size", "32"]
+REFUSED = {  # tests/user_models.py's, asked on 2 ranks what they cannot train as (mpi_checks)
+    "subclassed": "is subclassed (no layer graph)",
+    "bn_cnn_synchronized": "synchronized=True",
+    "residual_cnn": "--loop fit needs every global batch to divide among the 2 ranks",
+}
 
 
-@pytest.mark.parametrize(
-    "model,args,needle",
-    [
-        ("subclassed", PIPELINE, "is subclassed (no layer graph)"),
-        ("synchronized_norm", ["--strategy", "data", "--steps", "1"], "synchronized=True"),
-        (
-            GOOD,
-            ["--strategy", "data", "--loop", "fit", "--steps", "1", "--batch-size", "63"],
-            "--loop fit needs every global batch to divide among the 2 ranks",
-        ),
-    ],
-)
-def test_a_model_that_cannot_train_as_asked_is_refused_in_one_line_on_every_rank(
-    model, args, needle, bad_models
-):
-    target = model if ":" in model else f"{bad_models}:{model}"
-    said_once(train_under_mpirun("--model", target, *args), EXIT_USAGE, needle)
+def test_a_model_that_cannot_train_as_asked_is_refused_in_one_line_on_every_rank(grid_checks):
+    """In tests/mpi_checks.py's 2-rank launch, ringtrain.train as `ringtrain train` calls it:
+    every rank raises the one-line refusal (exit code EXIT_USAGE) together, before the run
+    starts, and leaves saying it to rank 0; the CLI says such a refusal once under mpirun
+    (tests/test_bad_input.py, and for a user's model tests/test_your_data.py)."""
+    lines = grid_checks._lines(2)  # every line of the launch: it has no accessor for these
+    refusals = [r for r in lines if r.get("check") == "keras-refusal"]
+    assert sorted(r["config"]["model"] for r in refusals) == sorted(REFUSED)
+    for r in refusals:
+        needle = REFUSED[r["config"]["model"]]
+        assert len(r["ranks"]) == 2, r
+        for rank, said in enumerate(r["ranks"]):
+            assert said is not None, r  # that rank trained
+            assert needle in said["message"] and "\n" not in said["message"], said
+            assert said["exit_code"] == EXIT_USAGE and said["together"], said
+            assert said["quiet"] == (rank != 0), said
 
 
 @pytest.mark.parametrize(
@@ -240,7 +294,8 @@ def test_a_model_that_cannot_train_as_asked_is_refused_in_one_line_on_every_rank
     ],
 )
 def test_a_cut_that_cannot_be_made_is_refused_in_one_line(function, split_at, needle, bad_models):
-    """The graph's own refusals, in process: the runs above show how such a line ends a run."""
+    """The graph's own refusals, in process: the refusals above show how such a line ends a
+    run on every rank."""
     from ringtrain.errors import UserError
     from ringtrain.keras_model.graph import split_graph
 
@@ -259,34 +314,23 @@ def test_a_cut_that_cannot_be_made_is_refused_in_one_line(function, split_at, ne
     assert "\n" not in str(refused.value)
 
 
-def test_a_users_model_stops_and_resumes_to_the_same_weights_as_an_unbroken_run(tmp_path):
+def test_a_users_model_stops_and_resumes_to_the_same_weights_as_an_unbroken_run(tmp_path, launched):
     """--stop-after checkpoints the compiled optimizer's state (SGD with Nesterov momentum) on
-    2 data-parallel ranks; --resume on one process finishes the run: the same weights, as the
-    replicas are identical. A checkpoint of another model is refused."""
-    nesterov = ["--model-arg", "optimizer='nesterov'", "--strategy", "single"]
-    whole, resumed, ckpt = tmp_path / "whole.npz", tmp_path / "resumed.npz", tmp_path / "ckpt"
-    assert train(*nesterov, "--weights-out", str(whole)).returncode == 0
-    launcher = ["mpirun", "--oversubscribe", "-np", "2"]
-    stopped = train(
-        "--model-arg",
-        "optimizer='nesterov'",
-        "--strategy",
-        "data",
-        "--checkpoint-dir",
-        str(ckpt),
-        "--stop-after",
-        "2",
-        launcher=launcher,
-    )
+    2 data-parallel ranks; --resume on one process finishes the run: the same weights as the
+    unbroken single launch of LAUNCHES, as the replicas are identical. A checkpoint of another
+    model is refused."""
+    resumed, flags = tmp_path / "resumed.npz", ["--checkpoint-dir", str(tmp_path / "ckpt")]
+    nesterov = functools.partial(train, optimizer="nesterov")
+    stopped = nesterov("--strategy", "data", *flags, "--stop-after", "2", launcher=MPIRUN_2)
     assert stopped.returncode == 75, stopped.stderr[-2000:]
-    done = train(
-        *nesterov, "--checkpoint-dir", str(ckpt), "--resume", "--weights-out", str(resumed)
-    )
+    done = nesterov("--strategy", "single", *flags, "--resume", "--weights-out", str(resumed))
     assert done.returncode == 0 and "resumed from" in done.stdout, done.stderr[-2000:]
     other = [str(BIN / "ringtrain"), "train", "--model", f"{USER_MODELS}:bn_cnn", "--resume"]
-    other += ["--checkpoint-dir", str(ckpt), "--strategy", "single", "--steps", "3"]
+    other += [*flags, "--strategy", "single", "--steps", "3"]
     said_once(run(other), EXIT_USAGE, "checkpoint")
-    a, b = np.load(whole), np.load(resumed)
+    whole = launched("single")
+    assert whole.done.returncode == 0, whole.done.stderr[-2000:]
+    a, b = np.load(whole.weights), np.load(resumed)
     assert sorted(a.files) == sorted(b.files)
     assert max(float(np.max(np.abs(a[k] - b[k]))) for k in a.files) < 1e-6
 
@@ -329,6 +373,7 @@ print("@" + json.dumps({{
 """
 
 
+@pytest.mark.filterwarnings("ignore:Skipping variable loading for optimizer")  # weights alone
 def test_keras_callbacks_run_on_rank_0_at_epoch_ends_and_every_rank_follows_them(tmp_path):
     """Under a 2-stage pipeline: EarlyStopping stops every rank after its second epoch of five,
     LearningRateScheduler's rate reaches every rank, ModelCheckpoint on rank 0 saves the whole
@@ -358,17 +403,12 @@ def test_keras_callbacks_run_on_rank_0_at_epoch_ends_and_every_rank_follows_them
     assert reports[0]["seen"] == [[0, keys], [1, keys]] and reports[1]["seen"] == []
     for report in reports.values():
         assert report["epochs"] == 2 and report["lr"] == pytest.approx(0.025)
-    check = f"""
-import json, sys
-sys.path.insert(0, {str(USER_MODELS.parent)!r})
-import keras, user_models
-model = user_models.residual_cnn("nesterov")
-model.load_weights({str(checkpoint)!r})
-print(json.dumps({{v.path: v.numpy().tolist() for v in model.weights}}))
-"""
-    saved = run([sys.executable, "-c", check])
-    assert saved.returncode == 0, saved.stderr[-2000:]
-    final, at_epoch_end = reports[0]["final"], json.loads(saved.stdout.splitlines()[-1])
-    assert sorted(final) == sorted(at_epoch_end)
-    for name, value in final.items():
-        np.testing.assert_array_equal(np.array(at_epoch_end[name]), np.array(value), name)
+    sys.path.insert(0, str(USER_MODELS.parent))
+    import user_models
+
+    model = user_models.residual_cnn("nesterov")
+    model.load_weights(checkpoint)
+    final = reports[0]["final"]
+    assert sorted(final) == sorted(v.path for v in model.weights)
+    for v in model.weights:
+        np.testing.assert_array_equal(v.numpy(), np.array(final[v.path]), v.path)

@@ -11,6 +11,7 @@ path. Its keyword arguments are what `--model-arg KEY=VALUE` sets.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from pathlib import Path
 
@@ -77,17 +78,20 @@ def two_heads() -> keras.Model:
     return model
 
 
-def bn_cnn() -> keras.Model:
+def bn_cnn(synchronized: bool = False) -> keras.Model:
     """BatchNormalization: its batch statistics depend on how many examples share a forward
-    pass, and its moving averages are weights that no gradient updates."""
+    pass, and its moving averages are weights that no gradient updates. `synchronized`: the
+    statistics of the whole global batch (Keras's synchronized=True), which ringtrain refuses
+    on more than one rank."""
+    norm = functools.partial(keras.layers.BatchNormalization, synchronized=synchronized)
     model = keras.Sequential(
         [
             keras.Input(DIGITS_SHAPE, name="pixels"),
             keras.layers.Conv2D(8, 3, padding="same", use_bias=False, name="conv1"),
-            keras.layers.BatchNormalization(name="norm1"),
+            norm(name="norm1"),
             keras.layers.Activation("relu", name="relu1"),
             keras.layers.Conv2D(16, 3, strides=2, padding="same", use_bias=False, name="conv2"),
-            keras.layers.BatchNormalization(name="norm2"),
+            norm(name="norm2"),
             keras.layers.Activation("relu", name="relu2"),
             keras.layers.GlobalAveragePooling2D(name="pool"),
             keras.layers.Dense(DIGITS_CLASSES, name="logits"),
@@ -95,6 +99,11 @@ def bn_cnn() -> keras.Model:
         name="bn_cnn",
     )
     return _classification(model, keras.optimizers.Adam(1e-3))
+
+
+def bn_cnn_synchronized() -> keras.Model:
+    """The BatchNormalization CNN with synchronized statistics."""
+    return bn_cnn(synchronized=True)
 
 
 def frozen_finetune() -> keras.Model:
@@ -135,6 +144,25 @@ def regression_mlp() -> keras.Model:
         metrics=["mae"],
     )
     return model
+
+
+class _Subclassed(keras.Model):
+    """Layers called from Python, not a graph of them."""
+
+    def __init__(self):
+        super().__init__(name="subclassed")
+        self.flat = keras.layers.Flatten(name="flatten")
+        self.logits = keras.layers.Dense(DIGITS_CLASSES, name="logits")
+
+    def call(self, pixels):
+        return self.logits(self.flat(pixels))
+
+
+def subclassed() -> keras.Model:
+    """A subclassed keras.Model: no layer graph, so no pipeline can cut it into stages."""
+    model = _Subclassed()
+    model(keras.ops.zeros((1, *DIGITS_SHAPE)))
+    return _classification(model, _optimizer("adam"))
 
 
 def bert_classifier() -> keras.Model:

@@ -386,6 +386,30 @@ def idle_barrier(comm) -> None:
     idle_wait(comm.Ibarrier())
 
 
+Tensors = dict[str, np.ndarray]
+
+
+def deal_out(comm, jobs: list[Callable[[], Tensors]], timeout: float = 600.0) -> list[Tensors]:
+    """Run job i on rank i % size, so the ranks work at once (one done first sleeps at the
+    barrier, leaving its core to the others). Rank 0 gets every job's tensors, in job order, as
+    buffers (Link.send_named, no pickle); the other ranks get an empty list."""
+    from ringtrain.comm import Link
+
+    link = Link(comm, timeout)
+    size, rank = comm.Get_size(), comm.Get_rank()
+    mine = {i: job() for i, job in enumerate(jobs) if i % size == rank}
+    idle_barrier(comm)
+    if rank != 0:
+        for i, tensors in mine.items():
+            link.send_named(tensors, 0, i, "a dealt-out job's tensors")
+        link.flush()
+        return []
+    return [
+        mine[i] if i in mine else link.recv_named(i % size, i, "a dealt-out job's tensors")
+        for i in range(len(jobs))
+    ]
+
+
 @contextmanager
 def horovod_running(comm) -> Iterator[object]:
     """Horovod only while it is measured: its idle background thread polls MPI and would take

@@ -53,11 +53,12 @@ from ringtrain.models import compile_classifier
 Runner = Callable[[int], float]  # steps -> seconds they took
 
 
-def engine_runner(engine: Engine, data: Dataset) -> Runner:
-    """Custom-loop engines (single, data, pipeline): what `ringtrain train` runs per step."""
+def engine_runner(engine: Engine, data: Dataset, global_batch: int = BATCH) -> Runner:
+    """Custom-loop engines (single, data, pipeline): what `ringtrain train` runs per step;
+    each run times `steps` global batches of the shared order after one untimed step."""
 
     def run(steps: int) -> float:
-        batches = batch_stream(len(data.x), steps + 1, BATCH, SEED)
+        batches = batch_stream(len(data.x), steps + 1, global_batch, SEED)
         engine.step(batches[0])
         start = time.perf_counter()
         for batch in batches[1:]:

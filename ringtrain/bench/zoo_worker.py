@@ -1,17 +1,19 @@
 """The ranks of `ringtrain bench zoo`, one measurement per command.
 
-    mpirun --bind-to none -np 2 python -m ringtrain.bench.zoo_worker
+    mpirun --bind-to none -np 2 python -m ringtrain.bench.zoo_worker GLOBAL_BATCH
 
 Every contender is built once, in the same order on every rank, and traced before the ready
 reply; rank 0 serves the parent's commands as in `bench strategies` (bench/common.serve). A
 contender named `WEIGHTS + name` resets that contender's model to the initial weights it
 shares with the others of its architecture, trains S given global batches, [t*B, (t+1)*B),
 and replies with each tensor's distance from what one-process Keras `model.fit` made of the
-same batches from the same weights (computed once per architecture, in rank 0).
+same batches from the same weights (each fit once, before the first comparison, the ranks
+fitting at once; rank 0 gathers them).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
@@ -22,7 +24,7 @@ import numpy as np
 
 from ringtrain import runtime
 from ringtrain.bench import common
-from ringtrain.bench.strategies import BATCH, LR, SEED, workload
+from ringtrain.bench.strategies import LR, SEED, workload
 from ringtrain.bench.strategies_worker import engine_runner
 from ringtrain.bench.zoo import (
     CNN_BUILTIN,
@@ -75,7 +77,9 @@ def relative_distances(names: list[str], initial: list, trained: list, reference
     }
 
 
-def fit_reference(c: Contender, data: Dataset, steps: int, shares: int = 1) -> list[np.ndarray]:
+def fit_reference(
+    c: Contender, data: Dataset, steps: int, batch: int, shares: int = 1
+) -> list[np.ndarray]:
     """One-process Keras from the contender's initial weights: model.fit on the first
     `steps` global batches, in order; with `shares` K > 1, on batches of B/K, the optimizer
     stepping once per K of them on their mean gradient (gradient_accumulation_steps)."""
@@ -83,14 +87,37 @@ def fit_reference(c: Contender, data: Dataset, steps: int, shares: int = 1) -> l
     model.set_weights(c.initial)
     if shares > 1:
         model.optimizer.gradient_accumulation_steps = shares
-    n = steps * BATCH
+    n = steps * batch
     model.fit(
-        data.x[:n], data.y[:n], batch_size=BATCH // shares, shuffle=False, epochs=1, verbose=0
+        data.x[:n], data.y[:n], batch_size=batch // shares, shuffle=False, epochs=1, verbose=0
     )
     return model.get_weights()
 
 
-def _contenders(world: runtime.World, data: Dataset) -> dict[str, Contender]:
+def fit_references(
+    world: runtime.World, contenders: dict[str, Contender], data: Dataset, steps: int, batch: int
+) -> dict[tuple, list[np.ndarray]]:
+    """Every model.fit the comparisons need, once each, dealt out across the ranks so that they
+    fit at once: rank 0 gets them all, keyed (fresh, shares); the others an empty dict."""
+    wanted: dict[tuple, Contender] = {}  # in one order on every rank
+    for name in COMPARED:
+        c = contenders.get(name)
+        if c is None:  # rank 0's lone contender, on rank 1: its model.fit is the data one's
+            continue
+        for shares in dict.fromkeys((1, SHARES.get(name, 1))):
+            wanted.setdefault((c.fresh, shares), c)
+
+    def job(c: Contender, shares: int) -> dict[str, np.ndarray]:
+        fitted = fit_reference(c, data, steps, batch, shares)
+        return {str(i): w for i, w in enumerate(fitted)}
+
+    fitted = common.deal_out(world.comm, [partial(job, c, k) for (_, k), c in wanted.items()])
+    return {
+        key: list(tensors.values()) for key, tensors in zip(wanted, fitted, strict=False)
+    }  # [] off rank 0
+
+
+def _contenders(world: runtime.World, data: Dataset, batch: int) -> dict[str, Contender]:
     """Every contender, built in one order on every rank (Horovod matches by names Keras numbers
     per process), rank 0's lone one last."""
     from mpi4py import MPI
@@ -100,7 +127,7 @@ def _contenders(world: runtime.World, data: Dataset) -> dict[str, Contender]:
 
     _, build = workload()
     users = UserData(Examples(data.x, data.y))
-    cfg = common.bench_config("cnn", BATCH, LR, SEED)
+    cfg = common.bench_config("cnn", batch, LR, SEED)
     data_cfg = replace(cfg, strategy="data")
     new_cnn = partial(functional_cnn, data.input_shape, data.n_classes)
     new_resnet = partial(resnet50, data.n_classes)
@@ -125,7 +152,7 @@ def _contenders(world: runtime.World, data: Dataset) -> dict[str, Contender]:
             lambda m: DataParallelEngine(m, users, data_cfg, ranks), horovod=True
         )
         for c in found.values():
-            engine_runner(c.engine, data)(1)  # trace while Horovod is up
+            engine_runner(c.engine, data, batch)(1)  # trace while Horovod is up
     pipeline_cfg = replace(
         cfg,
         strategy="pipeline",
@@ -145,10 +172,11 @@ def main() -> None:
     import tensorflow as tf
 
     data, _ = workload()
-    contenders = _contenders(world, data)
+    batch = int(sys.argv[1])
+    contenders = _contenders(world, data, batch)
     for c in contenders.values():
         if not c.horovod:
-            engine_runner(c.engine, data)(1)  # trace outside any timing
+            engine_runner(c.engine, data, batch)(1)  # trace outside any timing
     cpus = common.ranks_cpus_allowed(world.comm)
     pipeline = contenders[RESNET_PIPELINE]
     if world.rank == 0:
@@ -166,14 +194,14 @@ def main() -> None:
                 "partition": [list(b) for b in pipeline.engine.bounds],
             }
         )
-    references: dict[tuple, list] = {}
+    references: dict[tuple, list] | None = None  # model.fit's weights, once compared
 
     def compare(contender: str, c: Contender, steps: int) -> dict | None:
         """S steps from the initial weights, then (rank 0) the distances from model.fit's."""
         c.model.set_weights(c.initial)
         with common.horovod_running(world.comm) if c.horovod else nullcontext():
             for t in range(steps):
-                c.engine.step(np.arange(t * BATCH, (t + 1) * BATCH))
+                c.engine.step(np.arange(t * batch, (t + 1) * batch))
         gathered = c.engine.gather_weights()  # every stage's, under the model's own names
         if world.rank != 0:
             return None
@@ -181,10 +209,7 @@ def main() -> None:
         trained = [gathered[name] for name in names]
 
         def distance(shares: int) -> dict:
-            if (c.fresh, steps, shares) not in references:
-                references[c.fresh, steps, shares] = fit_reference(c, data, steps, shares)
-            reference = references[c.fresh, steps, shares]
-            return relative_distances(names, c.initial, trained, reference)
+            return relative_distances(names, c.initial, trained, references[c.fresh, shares])
 
         found = {"distance": distance(1)}
         if SHARES.get(contender, 1) > 1:
@@ -192,13 +217,16 @@ def main() -> None:
         return found
 
     def measure(name: str, steps: int) -> dict | None:
+        nonlocal references
+        if name.startswith(WEIGHTS) and references is None:  # every rank, at the first
+            references = fit_references(world, contenders, data, steps, batch)
         c = contenders.get(name.removeprefix(WEIGHTS))
         if c is None:  # rank 0's lone contender, on rank 1
             return None
         if name.startswith(WEIGHTS):
             return compare(name.removeprefix(WEIGHTS), c, steps)
         with common.horovod_running(world.comm) if c.horovod else nullcontext():
-            return {"seconds": engine_runner(c.engine, data)(steps)}
+            return {"seconds": engine_runner(c.engine, data, batch)(steps)}
 
     timed = [CNN_BUILTIN, CNN_KERAS, RESNET_SINGLE, RESNET_DATA, RESNET_PIPELINE]
     common.serve(world.comm, timed + [WEIGHTS + name for name in COMPARED], measure)

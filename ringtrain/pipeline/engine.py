@@ -18,7 +18,6 @@ cut from (split.py), the partition and its profiling (profile.py), the report (r
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 
@@ -458,26 +457,12 @@ class PipelineEngine(Checkpointable):
         if self.dp_rank != 0:
             return None
         if self.world.rank != 0:
-            header = json.dumps([[k, list(a.shape)] for k, a in mine.items()]).encode()
-            flat = np.concatenate([a.ravel() for a in mine.values()]).astype(np.float32)
-            for buf in (np.array([len(header)], np.int64), np.frombuffer(header, np.uint8), flat):
-                self.world_link.send_buffer(np.ascontiguousarray(buf), 0, WEIGHTS, "weights")
-                self.world_link.flush()
+            self.world_link.send_named(mine, 0, WEIGHTS, "weights")
+            self.world_link.flush()
             return None
         weights = dict(mine)
         for r in self.grid.pipeline_ranks(0)[1:]:
-            size = self.world_link.recv_buffer(np.empty(1, np.int64), r, WEIGHTS, "weights")
-            header = self.world_link.recv_buffer(
-                np.empty(int(size[0]), np.uint8), r, WEIGHTS, "weights"
-            )
-            names = json.loads(header.tobytes())
-            flat = np.empty(sum(int(np.prod(s)) for _, s in names), np.float32)
-            self.world_link.recv_buffer(flat, r, WEIGHTS, "weights")
-            offset = 0
-            for name, shape in names:
-                n = int(np.prod(shape))
-                weights[name] = flat[offset : offset + n].reshape(shape)
-                offset += n
+            weights |= self.world_link.recv_named(r, WEIGHTS, "weights")
         return {k: weights[k] for k in sorted(weights)}
 
     def layout(self) -> dict:
