@@ -102,3 +102,18 @@ def rank_limit(
         return Limit(limit // local_size, "cgroup")
     limit = slurm_limit(os.environ if env is None else env, local_size)
     return Limit(limit, "Slurm") if limit is not None else None
+
+
+def oom_kills(group: Path) -> int:
+    """How many processes the kernel has killed for going over the group's limit (v1's
+    memory.oom_control and v2's memory.events both carry an `oom_kill N` line)."""
+    for name in ("memory.oom_control", "memory.events"):
+        try:
+            text = (group / name).read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+    return 0

@@ -29,6 +29,7 @@ from ringtrain.keras_model.source import (
     check_source_flags,
     load_user_data,
 )
+from ringtrain.memory_kill import supervise_rank
 from ringtrain.one_line import checked_who_am_i
 
 USER_MODEL_REFUSES = ("optimizer", "lr", "clip_norm", "loop")
@@ -74,6 +75,7 @@ def _microbatches(strategy: str, schedule: str) -> int:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    supervise_rank(checked_who_am_i().rank, "ringtrain train")  # before MPI and TensorFlow
     cfg, result = train_from_args(args)
     return _finished(cfg, result)
 

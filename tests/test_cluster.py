@@ -25,9 +25,10 @@ import pytest
 from conftest import BIN, ENV, REFERENCE_FLAGS, ROOT, compare_weight_files, load_npz, run
 
 from ringtrain.cluster import layout as cluster_layout
-from ringtrain.cluster.memory import groups_folder, oom_kills
+from ringtrain.cluster.memory import groups_folder
 from ringtrain.cluster.slurm import SlurmCluster
 from ringtrain.cluster.system import alive, netns_pids
+from ringtrain.memory_limit import oom_kills
 
 CLI = str(BIN / "ringtrain")
 STATE = cluster_layout.STATE_DIR

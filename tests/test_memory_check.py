@@ -6,6 +6,7 @@ before the kernel's limit kills it; --ignore-memory-check runs it anyway."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -206,3 +207,27 @@ def test_a_memory_cgroup_limit_refuses_without_the_flag_and_plan_reads_it_alike(
     said_once(done, EXIT_USAGE, "but the limit is 1000.0 MiB (cgroup)")
     assert planned.returncode == 0, planned.stderr[-2000:]
     assert "memory per rank: 500 MiB (cgroup)" in planned.stdout
+
+
+def test_a_rank_the_memory_limit_kills_is_named_in_one_line(wide):
+    """Two data-parallel ranks forced past their memory cgroup's cap (--ignore-memory-check):
+    the kernel kills one with SIGKILL, which no handler sees, and its supervising parent names
+    it, its host and the cap in one line; the job ends with it."""
+    from ringtrain.cluster.memory import create, join, memory_parent, remove
+
+    folder = memory_parent("this test")[0] / f"ringtrain-memory-kill-{os.getpid()}"
+    folder.mkdir()
+    try:
+        create([folder / "node"], KILLING_CAP_MIB * MIB)
+        flags = ["--strategy", "data", *wide, "--ignore-memory-check"]
+        mpirun = ["mpirun", "--oversubscribe", "-np", "2", str(BIN / "ringtrain"), "train"]
+        done = run([*join(folder / "node"), *mpirun, *flags], timeout=300)
+    finally:
+        remove(folder)
+    print(done.stderr[-3000:])
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    killed = rf"rank [01] on \S+ was killed by the node's memory limit \({KILLING_CAP_MIB} MiB\)"
+    assert len(re.findall(killed, done.stderr)) == 1, done.stderr[-3000:]
+
+
+KILLING_CAP_MIB = 1400  # two ranks' baselines fit; their Adam states, gradients and weights not

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ringtrain.cluster.system import end_processes
 from ringtrain.errors import UserError
-from ringtrain.memory_limit import LIMIT_FILE, MIB, own_memory_group
+from ringtrain.memory_limit import LIMIT_FILE, MIB, oom_kills, own_memory_group
 
 GROUPS = "ringtrain-cluster"
 # (limit, swap limit, usage) in each version's names.
@@ -90,17 +90,6 @@ def remove(folder: Path) -> list[str]:
             except OSError:
                 time.sleep(0.1)
     return [p.name for p in groups]
-
-
-def oom_kills(group: Path) -> int:
-    """How many processes the kernel has killed for going over the group's limit (v1's
-    memory.oom_control and v2's memory.events both carry an `oom_kill N` line)."""
-    for name in ("memory.oom_control", "memory.events"):
-        for line in _read(group / name).splitlines():
-            key, _, value = line.partition(" ")
-            if key == "oom_kill":
-                return int(value)
-    return 0
 
 
 def describe(group: Path, limit: int) -> str:
