@@ -3,10 +3,11 @@
 The kernel ends a process that takes its cgroup over the limit with SIGKILL, which no handler
 sees: the rank cannot say why it went, and its peers only see it gone. So a rank that runs
 under a memory cgroup tighter than the machine forks before MPI and TensorFlow load. The child
-is the rank; the parent, a few MiB of bare Python, waits for it, passes on the signals a
-launcher or scheduler sends, and exits as the child did. When the child dies of SIGKILL that
-nobody sent through the parent, and the cgroup's OOM record has grown meanwhile, the parent
-says so in one line before the launcher tears the job down.
+is the rank; the parent (Python without MPI or TensorFlow: about 45 MiB VmHWM, most of it
+shared) waits for it, passes on the signals a launcher or scheduler sends, and exits as the
+child did. When the child dies of SIGKILL that nobody sent through the parent, and the cgroup's
+OOM record has grown meanwhile, the parent says so in one line before the launcher tears the
+job down.
 
 Ranks sharing a node share its record, and a launcher tearing the job down may SIGKILL their
 process groups: each kill in the record is claimed once, by a file made exclusively, and the

@@ -45,3 +45,11 @@ def processes() -> dict[int, tuple[int, float]]:
             continue
         found[int(entry.name)] = (int(fields[3]), (int(fields[11]) + int(fields[12])) / tick)
     return found
+
+
+def parent_pid(pid: int) -> int | None:
+    """The parent of `pid`, None when it has ended."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None

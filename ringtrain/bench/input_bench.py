@@ -44,6 +44,7 @@ from ringtrain.cluster import control
 from ringtrain.cluster.memory import join, memory_parent, set_limit
 from ringtrain.errors import UserError
 from ringtrain.launch.mpirun import binding_flags, host_flags, mpi_env, mpirun_command
+from ringtrain.proc import parent_pid
 
 SHAPE, CLASSES, SEED = (64, 64, 3), 10, 0
 BATCH, LR = 256, 0.01
@@ -232,6 +233,9 @@ class RankSampler:
     def __init__(self, groups: list[Path]):
         self.groups = groups
         self.seen: dict[int, tuple[int, int]] = {}  # pid -> (VmHWM, read_bytes)
+        # A rank's parent under a memory cap (memory_kill) has its command line, and is seen
+        # alone before it forks: not a rank, once it is known to be a parent.
+        self.supervisors: set[int | None] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -251,17 +255,22 @@ class RankSampler:
                     pids += [int(p) for p in (group / "cgroup.procs").read_text().split()]
                 except OSError:
                     continue
-            for pid in filter(is_rank, pids):
+            found = [pid for pid in pids if is_rank(pid)]
+            self.supervisors |= {parent_pid(pid) for pid in found}
+            for pid in found:
                 high = proc_field(pid, "status", "VmHWM")
                 read = proc_field(pid, "io", "read_bytes")
                 if high is not None and read is not None:
                     self.seen[pid] = (high, read)
 
+    def ranks(self) -> list[tuple[int, int]]:
+        return [seen for pid, seen in self.seen.items() if pid not in self.supervisors]
+
     def ranks_vmhwm(self) -> list[int]:
-        return [high for high, _ in self.seen.values()]
+        return [high for high, _ in self.ranks()]
 
     def read_bytes(self) -> int:
-        return sum(read for _, read in self.seen.values())
+        return sum(read for _, read in self.ranks())
 
 
 def cgroup_figure(group: Path, v1: str, v2: str) -> int | None:
