@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 from conftest import BIN, ENV, REFERENCE_FLAGS, ROOT, compare_weight_files, load_npz, run
+from test_memory_check import WIDE_MODEL
 
 from ringtrain.cluster import layout as cluster_layout
 from ringtrain.cluster.memory import groups_folder
@@ -543,7 +544,8 @@ def test_memory_capped_node_kills_what_goes_over_and_slurm_refuses_more_than_the
     started over ssh that grows past the cap is killed by the kernel (SIGKILL, an OOM kill in
     the cgroup's record) while one below it finishes; Slurm knows the node as RealMemory=300,
     refuses a job asking for more at submission and runs one asking for less, inside the
-    cgroup. A group left over from an earlier cluster is made anew; `down` removes it."""
+    cgroup. A `ringtrain train` rank killed there is named, with its node and the cap, in one
+    line. A group left over from an earlier cluster is made anew; `down` removes it."""
     require_root()
     script = tmp_path / "allocate.py"
     script.write_text(ALLOCATE)
@@ -560,10 +562,20 @@ def test_memory_capped_node_kills_what_goes_over_and_slurm_refuses_more_than_the
         assert "exit=137" in over.stdout and "done" not in over.stdout, over  # 128 + SIGKILL
         assert "ringtrain-cluster/node1" in over.stdout, over.stdout
         assert oom_kills(group) == 1
+        # A rank over the cap (an MLP whose Adam state alone is 200 MiB), forced past the
+        # memory check: its parent names the kill.
+        (tmp_path / "wide.py").write_text(WIDE_MODEL)
+        forced = f"--model {tmp_path}/wide.py:wide --steps 1 --ignore-memory-check"
+        rank = f"{CLI} train --strategy single {forced}; echo exit=$?"
+        killed = run(["ssh", "node1", rank], timeout=120)
+        assert "exit=137" in killed.stdout and "Traceback" not in killed.stderr, killed
+        line = f"rank 0 on node1 was killed by the node's memory limit ({CAP_MIB} MiB)"
+        assert killed.stderr.count(line) == 1, killed.stderr
+        assert oom_kills(group) == 2
         under = cluster("exec", "node1", "--", "python3", str(script), "2")
         assert under.returncode == 0 and "done" in under.stdout, under
         status = cluster("status").stdout
-        assert f"memory cap {CAP_MIB} MiB" in status and "1 OOM kills" in status, status
+        assert f"memory cap {CAP_MIB} MiB" in status and "2 OOM kills" in status, status
         env = {**ENV, "SLURM_CONF": str(STATE / "slurm" / "etc" / "slurm.conf")}
         node = run_with(env, ["scontrol", "show", "node", "node1"]).stdout
         assert f"RealMemory={CAP_MIB} " in node, node
