@@ -81,12 +81,15 @@ def supervise_rank(rank: int, prog: str) -> None:
 
 
 def _claimed(group: Path, kill: int) -> bool:
-    """Whether this rank is first to claim the group's `kill`-th OOM kill in this job."""
-    job = os.environ.get("PMIX_NAMESPACE") or os.environ.get("SLURM_JOB_ID", "")
-    key = hashlib.sha1(f"{group} {job}".encode()).hexdigest()[:16]  # alike in every process
-    name = f"ringtrain-oom-{key}-{kill}"
+    """Whether this rank is first to claim the group's `kill`-th OOM kill. A group made anew
+    under the same path (a node brought up again) counts from zero: its inode and creation
+    time tell it from the old one, whose claims are left behind."""
+    made = os.stat(group)
+    identity = f"{group} {made.st_ino} {made.st_ctime_ns}"
+    key = hashlib.sha1(identity.encode()).hexdigest()[:16]  # alike in every process
     try:
-        os.close(os.open(Path(tempfile.gettempdir()) / name, os.O_CREAT | os.O_EXCL, 0o600))
+        claim = Path(tempfile.gettempdir()) / f"ringtrain-oom-{key}-{kill}"
+        os.close(os.open(claim, os.O_CREAT | os.O_EXCL, 0o600))
     except FileExistsError:
         return False
     return True
