@@ -57,8 +57,13 @@ def train(
     callbacks, run on rank 0."""
     from ringtrain.keras_model.callbacks import EpochCallbacks, check_callbacks
     from ringtrain.keras_model.compiled import base_learning_rate, check_compiled, receive_weights
+    from ringtrain.keras_model.deferred import pending
 
     me = who_am_i()
+    # A model built weightless (train's pipeline ranks) is gathered whole on rank 0 only for
+    # what needs it; a model the caller built is whole there already, and gets the weights.
+    asked = bool(cfg.save or cfg.weights_out or cfg.initial_weights_out or callbacks)
+    gathers = pending(model) is None or asked
     with alike_on_every_rank(me.rank):
         validate_flags(cfg, me.world_size, given)
         check_compiled(model, "the model")
@@ -94,13 +99,14 @@ def train(
             log.info(
                 f"--shard-policy file: {len(data.shard_rows)} files dealt to {readers} readers"
             )
-        check_memory(model, data, cfg, me)  # before the engine allocates gradients and slots
+        # before the engine allocates gradients and slots
+        check_memory(model, data, cfg, me, gathers, asked)
     hooks = None
     if callbacks:
         hooks = EpochCallbacks(callbacks, model, me.rank, -(-total // per_epoch), per_epoch)
         hooks.train_begin()
     if cfg.loop != "fit":
-        train_on = _looped(data, cfg, make, hooks)
+        train_on = _looped(data, cfg, make, hooks, gathers)
     result = _run(cfg, f"Keras model {model.name!r}", _read_alike(data, cfg, train_on))
     if result.weights is not None:  # rank 0: the stages' weights, gathered
         receive_weights(model, result.weights)
@@ -189,14 +195,17 @@ def engine_for(model, data: Dataset | UserData, cfg: TrainConfig, world_size: in
     return make
 
 
-def _looped(data, cfg: TrainConfig, make, callbacks=None):
-    """The shared loop on the engine `make(world)` builds: (metrics, gathered weights)."""
+def _looped(data, cfg: TrainConfig, make, callbacks=None, gathers: bool = True):
+    """The shared loop on the engine `make(world)` builds: (metrics, the weights gathered on
+    rank 0 where `gathers`, else None)."""
 
     def run(world: runtime.World, watchdog: Watchdog):
         engine, dp_size = make(world)
         traffic = step_traffic(engine, cfg.microbatches)  # the deadline rule, for a whole step
         watchdog.allow(transfer_time(traffic, cfg.min_link_rate))
         metrics = loop.run(engine, data, cfg, world, dp_size, watchdog, callbacks)
+        if not gathers:
+            return metrics, None
         watchdog.kick("gathering the weights")
         return metrics, engine.gather_weights()
 

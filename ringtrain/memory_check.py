@@ -82,10 +82,14 @@ class ModelFacts:
     input_bytes: int  # bytes of input buffers at the run's global batch
 
 
-def check_memory(model, data, cfg: TrainConfig, me: RankInfo) -> None:
+def check_memory(
+    model, data, cfg: TrainConfig, me: RankInfo, gathers: bool = True, asked: bool = True
+) -> None:
     """Refuse, alike on every rank, a run predicted to need more memory per rank than its
     limit (see module doc); nothing is checked where no limit is found. Rank 0 says what it
-    did (the log knows no rank before the runtime starts)."""
+    did (the log knows no rank before the runtime starts). `gathers`: whether rank 0 gathers
+    the whole model's weights; `asked`: whether the run's outputs ask for them (--save,
+    --weights-out, callbacks), as a pipeline suggested instead would gather them only then."""
     if cfg.ignore_memory_check:
         if me.rank == 0:
             log.info("--ignore-memory-check: memory per rank is not checked against its limit")
@@ -94,7 +98,7 @@ def check_memory(model, data, cfg: TrainConfig, me: RankInfo) -> None:
     if limit is None:
         return
     facts = model_facts(model, data, cfg.batch_size)
-    need = rank_peak(facts, cfg, me.world_size)
+    need = rank_peak(facts, cfg, me.world_size, gathers)
     total = sum(need.values())
     if total <= limit.bytes:
         if me.rank == 0:
@@ -103,10 +107,19 @@ def check_memory(model, data, cfg: TrainConfig, me: RankInfo) -> None:
                 f"{_gib(limit.bytes)} ({limit.source})"
             )
         return
+    gathered = need["weights gathered at the end"]
+    if runs_stages(cfg) and gathered and total - gathered <= limit.bytes:
+        raise UserError(
+            f"--save, --weights-out, --initial-weights-out and callbacks gather the whole "
+            f"model's weights ({_gib(gathered)}) on rank 0, and its limit of "
+            f"{_gib(limit.bytes)} ({limit.source}) cannot hold them beside its stage; without "
+            "them each stage's weights stay on its rank, and --checkpoint-dir writes them"
+        )
     name = max(CONSUMERS, key=need.__getitem__)
     raise UserError(
         f"predicted {_gib(total)} per rank (largest: {name} {_gib(need[name])}) but the limit "
-        f"is {_gib(limit.bytes)} ({limit.source}); {fitting(facts, cfg, me.world_size, limit)}; "
+        f"is {_gib(limit.bytes)} ({limit.source}); "
+        f"{fitting(facts, cfg, me.world_size, limit, asked)}; "
         "--ignore-memory-check runs it anyway"
     )
 
@@ -130,9 +143,12 @@ def agreed_limit(cfg: TrainConfig, me: RankInfo) -> Limit | None:
     return None if least == none else Limit(int(least), SOURCES[source])
 
 
-def rank_peak(facts: ModelFacts, cfg: TrainConfig, world_size: int) -> dict[str, int]:
+def rank_peak(
+    facts: ModelFacts, cfg: TrainConfig, world_size: int, gathers: bool = True
+) -> dict[str, int]:
     """The fullest rank's predicted peak in bytes, by what holds it: the model's consumers
-    (costmodel's arithmetic), what the run adds around them, its input buffers, the baseline."""
+    (costmodel's arithmetic), what the run adds around them, its input buffers, the baseline.
+    `gathers`: whether a pipeline's rank 0 gathers the whole model's weights."""
     fixed = {"input buffers": facts.input_bytes, "baseline": BASELINE_BYTES}
     if not runs_stages(cfg):  # every rank alike; rank 0 also gathers the weights
         share = math.ceil(cfg.batch_size / world_size / cfg.accumulate)
@@ -164,7 +180,8 @@ def rank_peak(facts: ModelFacts, cfg: TrainConfig, world_size: int) -> dict[str,
         mine = [u for units in held.values() for u in units]
         trainable = sum(u.trainable for u in mine)
         largest = max((u.largest for u in mine), default=0.0)
-        ranks.append({**summed, **_around(facts, trainable, largest, dp_size, rank == 0)})
+        at_end = gathers and rank == 0
+        ranks.append({**summed, **_around(facts, trainable, largest, dp_size, at_end)})
     return {**max(ranks, key=lambda r: sum(r.values())), **fixed}
 
 
@@ -173,8 +190,9 @@ def _around(
 ) -> dict[str, int]:
     """What a training rank holds beyond plan's four consumers, in bytes (seen here: without
     them a wide MLP's peak was under-predicted by a fifth): rank 0's copy of the whole model's
-    weights, gathered at the end; where replicas average, Horovod's averaged gradients and its
-    fusion buffer; and the optimizer step's temporaries, taken as two of its largest weight."""
+    weights, gathered at the end where anything needs them; where replicas average, Horovod's
+    averaged gradients and its fusion buffer; and the optimizer step's temporaries, taken as
+    two of its largest weight."""
     fusion = int(os.environ.get("HOROVOD_FUSION_THRESHOLD", HOROVOD_FUSION_BYTES))
     return {
         "weights gathered at the end": int(facts.weights * FLOAT_BYTES) if gathers else 0,
@@ -193,10 +211,13 @@ def _bounds(facts: ModelFacts, cfg: TrainConfig, n_stages: int) -> list[tuple[in
     return partition.balanced([u.trainable for u in facts.units], n_stages)
 
 
-def fitting(facts: ModelFacts, cfg: TrainConfig, world_size: int, limit: Limit) -> str:
+def fitting(
+    facts: ModelFacts, cfg: TrainConfig, world_size: int, limit: Limit, asked: bool = True
+) -> str:
     """What the same arithmetic says fits under `limit` at the same global batch: the
     optimizer sharded among the same ranks, else a pipeline (or hybrid) on them, else a
-    pipeline on more ranks, up to one stage per unit of the graph."""
+    pipeline on more ranks, up to one stage per unit of the graph. A pipeline's rank 0
+    gathers the whole model where the outputs ask for it (`asked`)."""
     tried = []
     if not runs_stages(cfg) and world_size > 1 and not cfg.shard_optimizer:
         tried.append((world_size, replace(cfg, shard_optimizer=True, bucket_mb=None)))
@@ -216,7 +237,7 @@ def fitting(facts: ModelFacts, cfg: TrainConfig, world_size: int, limit: Limit) 
             validate_flags(candidate, ranks)
         except UserError:
             continue
-        need = sum(rank_peak(facts, candidate, ranks).values())
+        need = sum(rank_peak(facts, candidate, ranks, asked).values())
         if need <= limit.bytes:
             return f"fits: `{_flags(candidate)}` on {ranks} ranks (predicted {_gib(need)})"
     if (floor := BASELINE_BYTES + facts.input_bytes) > limit.bytes:

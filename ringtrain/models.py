@@ -258,14 +258,22 @@ def compile_classifier(
     return model
 
 
-def builtin(cfg: TrainConfig, input_shape: tuple[int, ...], n_classes: int) -> keras.Model:
-    """`--model NAME`: the built-in, compiled with --optimizer at --lr and --clip-norm. A model
-    that cannot take the data's rows (a cnn on flat features) is a bad input, not a crash."""
-    try:
-        model = BUILTIN[cfg.model](input_shape, n_classes, seed=cfg.seed)
-    except ValueError as exc:
-        problem = str(exc).strip().splitlines()[0]
-        raise UserError(
-            f"--model {cfg.model} does not fit rows of shape {input_shape}: {problem}"
-        ) from None
-    return compile_classifier(model, cfg.optimizer, cfg.lr, cfg.clip_norm)
+def builtin(
+    cfg: TrainConfig, input_shape: tuple[int, ...], n_classes: int, weightless: bool = False
+) -> keras.Model:
+    """`--model NAME`: the built-in, compiled with --optimizer at --lr and --clip-norm (its
+    variables left pending on a pipeline rank, as a user's model's are). A model that cannot
+    take the data's rows (a cnn on flat features) is a bad input, not a crash."""
+    from ringtrain.keras_model.source import built
+
+    def build():
+        try:
+            model = BUILTIN[cfg.model](input_shape, n_classes, seed=cfg.seed)
+        except ValueError as exc:
+            problem = str(exc).strip().splitlines()[0]
+            raise UserError(
+                f"--model {cfg.model} does not fit rows of shape {input_shape}: {problem}"
+            ) from None
+        return compile_classifier(model, cfg.optimizer, cfg.lr, cfg.clip_norm)
+
+    return built(build, weightless)

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import BIN, ENV, REFERENCE_FLAGS, ROOT, compare_weight_files, load_npz, run
 from test_memory_check import WIDE_MODEL
@@ -594,6 +595,73 @@ def test_memory_capped_node_kills_what_goes_over_and_slurm_refuses_more_than_the
     finally:
         cluster("down")
     assert not group.parent.exists()
+
+
+BIG_CAP_MIB = 1536
+# 140 Dense layers of 1024 (557 MiB of weights) under SGD: one process is predicted at about
+# 1.45 times the cap, each of two pipeline stages at about 0.75 times
+TOO_BIG = [
+    *("--model", f"{ROOT}/tests/user_models.py:tall_mlp", "--model-arg", "depth=140"),
+    *("--data", f"{ROOT}/tests/user_models.py:digits_split", "--no-shuffle", "--seed", "7"),
+    *("--batch-size", "16", "--steps", "2", "--progress", "none"),
+]
+
+
+def predicted_of_cap(text: str) -> float:
+    """The memory check's prediction per rank, as a share of the cap."""
+    found = re.search(r"predicted ([\d.]+) (GiB|MiB) per rank", text)
+    assert found, text[-2000:]
+    mib = float(found[1]) * (1024 if found[2] == "GiB" else 1)
+    return mib / BIG_CAP_MIB
+
+
+def test_a_model_no_capped_node_can_hold_trains_as_a_pipeline_across_two_as_keras_fit_does(
+    tmp_path,
+):
+    """--mem-per-node 1536M on 2 nodes, and a model one process is predicted to need 1.3-1.6
+    times the cap for: `single` and `data` are refused in one line before they train; a
+    2-stage pipeline, a stage per node, trains it within the cap. Each stage rank adds under
+    60% of the model's weights to its memory as it builds its stage, nothing gathers the whole
+    model (the stages' checkpoint parts hold the weights), and the updates match Keras's own
+    fit, run here outside the cap."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    import user_models
+    from reference import compare_updates, keras_fit_updates
+
+    bring_up("--nodes", "2", "--mem-per-node", f"{BIG_CAP_MIB}M")
+    try:
+        alone = run(["ssh", "node1", f"{CLI} train --strategy single {' '.join(TOO_BIG)}"])
+        assert alone.returncode == 2 and "Traceback" not in alone.stderr, alone.stderr
+        assert "(cgroup); fits: `--strategy pipeline" in alone.stderr, alone.stderr
+        assert "on 2 ranks" in alone.stderr, alone.stderr
+        assert 1.3 <= predicted_of_cap(alone.stderr) <= 1.6
+        launcher = ["mpirun", "-q", "-np", "2", "-H", "node1:1,node2:1", *NETWORK_FLAGS, CLI]
+        replicas = run([*launcher, "train", "--strategy", "data", *TOO_BIG])
+        assert replicas.returncode != 0 and "Traceback" not in replicas.stderr, replicas
+        assert replicas.stderr.count("error: predicted") == 1, replicas.stderr
+        metrics, folder = tmp_path / "metrics.json", tmp_path / "checkpoints"
+        outputs = ["--metrics-out", str(metrics), "--checkpoint-dir", str(folder)]
+        stages = ["--strategy", "pipeline", "--partition", "params", "--microbatches", "2"]
+        piped = run([*launcher, "train", *stages, *TOO_BIG, *outputs], timeout=JOB_TIMEOUT)
+        assert piped.returncode == 0, piped.stderr[-3000:]
+        assert predicted_of_cap(piped.stdout + piped.stderr) <= 0.8
+    finally:
+        cluster("down")
+    trained = {}
+    for part in sorted((folder / "step-00000002").glob("stage*.npz")):
+        with np.load(part) as stage:
+            trained |= {k[8:]: stage[k] for k in stage.files if k.startswith("weights/")}
+    (x, y), _ = user_models.digits_split()
+    fit = keras_fit_updates(user_models.tall_mlp, x, y, 16, 2, seed=7, depth=140)
+    whole = sum(a.nbytes for a in fit.initial.values())
+    comparison = compare_updates(fit.initial, trained, fit.final)
+    print(comparison)
+    assert comparison.passed, comparison
+    added = json.loads(metrics.read_text())["model_resident_bytes"]
+    print([f"+{grew / 2**20:.0f} MiB of {whole / 2**20:.0f}" for grew in added])
+    assert len(added) == 2 and all(0 < grew < 0.6 * whole for grew in added), (added, whole)
 
 
 # --- bad input ----------------------------------------------------------------------------

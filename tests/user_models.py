@@ -165,6 +165,25 @@ def subclassed() -> keras.Model:
     return _classification(model, _optimizer("adam"))
 
 
+def tall_mlp(
+    depth: int = 96, width: int = 1024, fine_tuned: bool = False, learning_rate: float = 0.01
+) -> keras.Model:
+    """Many equal Dense layers (381 MiB of weights by default), so a pipeline stage's share of
+    the weights stands out of a rank's memory. `fine_tuned`: the first hidden layer's and the
+    output layer's weights (one on each end of the model) are set from values the function
+    makes, as weights loaded from a file would be."""
+    layers = [keras.Input(DIGITS_SHAPE, name="pixels"), keras.layers.Flatten(name="flat")]
+    layers += [
+        keras.layers.Dense(width, activation="relu", name=f"hidden{i}") for i in range(depth)
+    ]
+    model = keras.Sequential([*layers, keras.layers.Dense(DIGITS_CLASSES, name="logits")])
+    if fine_tuned:
+        for name in ("hidden0", "logits"):
+            layer = model.get_layer(name)
+            layer.set_weights([np.full(tuple(w.shape), 0.01, np.float32) for w in layer.weights])
+    return _classification(model, keras.optimizers.SGD(learning_rate))
+
+
 def bert_classifier() -> keras.Model:
     """The BERT-shaped example, examples/bert_classifier.py: a two-layer keras-hub BERT with a
     two-class head on its pooled [CLS] output; three named inputs."""

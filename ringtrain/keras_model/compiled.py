@@ -83,9 +83,11 @@ def global_loss(model, x, y, y_pred, share: tf.Tensor, added_share: float = 1.0)
 
 def receive_weights(model, weights: dict) -> None:
     """Assign gathered weights, keyed by variable path, to the user's model."""
+    from ringtrain.keras_model.deferred import set_value
+
     by_path = {v.path: v for v in model.weights}
     for name, value in weights.items():
-        by_path[name].assign(value)
+        set_value(by_path[name], value)
 
 
 def predictor(model):

@@ -19,6 +19,7 @@ from typing import Any
 
 from ringtrain.config import TrainConfig, check_paths, is_model_function
 from ringtrain.errors import UserError, raised
+from ringtrain.proc import resident_bytes
 
 
 def check_target(flag: str, target: str) -> tuple[str, str]:
@@ -274,9 +275,24 @@ def _training_data(
     )
 
 
-def build_user_model(target: str, model_args: Sequence[str], seed: int):
+RESIDENT_BEFORE_MODEL = [0]  # this rank's VmHWM when the CLI began building its model
+
+
+def built(build, weightless: bool):
+    """`build()`, or with its variables left pending (keras_model.deferred)."""
+    RESIDENT_BEFORE_MODEL[0] = resident_bytes("VmHWM")
+    if not weightless:
+        return build()
+    from ringtrain.keras_model.deferred import build_weightless
+
+    return build_weightless(build)
+
+
+def build_user_model(target: str, model_args: Sequence[str], seed: int, weightless: bool = False):
     """The compiled model --model FUNCTION returns, built after seeding, so
-    `keras.utils.set_random_seed(seed); build()` anywhere gives the run's initial weights."""
+    `keras.utils.set_random_seed(seed); build()` anywhere gives the run's initial weights.
+    `weightless` (a pipeline rank): its variables are left pending, each rank materializes its
+    own stages' (keras_model.deferred)."""
     from ringtrain.keras_model.compiled import check_compiled
     from ringtrain.tensorflow_loader import tf  # noqa: F401  (before Keras)
 
@@ -284,7 +300,8 @@ def build_user_model(target: str, model_args: Sequence[str], seed: int):
     import keras
 
     build = load_function("--model", target)
+    arguments = parse_arguments(model_args)
     keras.utils.set_random_seed(seed)
-    model = called("--model", target, build, **parse_arguments(model_args))
+    model = built(lambda: called("--model", target, build, **arguments), weightless)
     check_compiled(model, f"--model {target}")
     return model

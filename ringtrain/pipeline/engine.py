@@ -31,6 +31,7 @@ from ringtrain.data import take, uneven_shard
 from ringtrain.dataparallel.collectives import average_gradients
 from ringtrain.evaluate import CHUNK
 from ringtrain.gradients import scaled_gradient
+from ringtrain.keras_model.source import RESIDENT_BEFORE_MODEL
 from ringtrain.optim import LearningRate
 from ringtrain.pipeline import report
 from ringtrain.pipeline.calibrate import (
@@ -50,6 +51,7 @@ from ringtrain.pipeline.schedule import pipeline_schedule
 from ringtrain.pipeline.simulate import SimResult, simulate
 from ringtrain.pipeline.tags import message_tag
 from ringtrain.pipeline.trace import ALL, Trace
+from ringtrain.proc import resident_bytes
 from ringtrain.progress import progress_ticker
 from ringtrain.runtime import World
 from ringtrain.tensorflow_loader import tf
@@ -164,12 +166,17 @@ class PipelineEngine(Checkpointable):
             s: self.plan.build(s, self.bounds, cfg.microbatches)
             for s in self.schedule.stages_on(self.pp_rank)
         }
+        self.plan.hold_only(self.local_stages, self.bounds)
         for stage in self.local_stages.values():
             stage.recomputes = cfg.recompute and not stage.stateful
         self.variables = [v for stage in self.local_stages.values() for v in stage.variables]
         self.state_variables = [v for stage in self.local_stages.values() for v in stage.weights]
         self.optimizer, self.clip_limit = self.plan.optimizer(cfg)
         self.optimizer.build(self.variables)
+        # what this rank added by building its part of the model (its stages, their optimizer
+        # state and, on rank 0, the time partition's units timed one at a time)
+        before = RESIDENT_BEFORE_MODEL[0]  # 0: the caller built the model (ringtrain.fit)
+        self.model_resident = resident_bytes("VmHWM") - before if before else 0
         self.base_learning_rate = self.plan.base_learning_rate(self.optimizer, cfg)
         self.scorer = self.plan.scorer()
         self._lr = LearningRate(self.optimizer)

@@ -70,8 +70,9 @@ def run_metrics(engine) -> dict:
     predicted bubble and step time, the calibration, peaks and replica checksums; and the
     --trace and --gantt files."""
     rows = engine.trace.gather(engine.world.comm)
-    peaks = np.zeros(engine.world.size, np.int64)
-    engine.world.comm.Allgather(np.array([engine.peak_inflight], np.int64), peaks)
+    peaks = np.zeros((engine.world.size, 2), np.int64)
+    mine = np.array([engine.peak_inflight, engine.model_resident], np.int64)
+    engine.world.comm.Allgather(mine, peaks)
     checksums = replica_checksums(engine.world.comm, engine.variables)
     if rows is None:
         return {}
@@ -101,6 +102,8 @@ def run_metrics(engine) -> dict:
         "step_time_measured": measured_step_seconds(rows),
         "step_time_predicted": predicted.makespan,
         "calibration": calibration,
-        "peak_inflight": peaks.tolist(),
+        "peak_inflight": peaks[:, 0].tolist(),
+        # per rank: VmHWM after it built its stages, less VmHWM before the model was built
+        "model_resident_bytes": peaks[:, 1].tolist(),
         "replica_checksums": checksums,
     }

@@ -7,10 +7,13 @@ from units [a, b), and how the values crossing each boundary travel (`codec`).
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Iterable
+
 import numpy as np
 
 from ringtrain.config import TrainConfig
-from ringtrain.keras_model import compiled
+from ringtrain.keras_model import compiled, deferred
 from ringtrain.pipeline.ir import Op, Tensor
 from ringtrain.pipeline.profile import time_unit, untouched
 from ringtrain.pipeline.stage import Stage, is_float
@@ -19,8 +22,8 @@ from ringtrain.tensorflow_loader import tf
 
 class GraphPlan:
     """A compiled Sequential or functional model, cut between the blocks of its flattened graph.
-    Every rank builds the whole model here; a stage is a keras.Model over its cut tensors,
-    sharing the user's layers (and so their weights and names)."""
+    A stage is a keras.Model over its cut tensors, sharing the user's layers (and so their
+    weights and names). A model built weightless gets values for this rank's stages only."""
 
     def __init__(self, model, split):
         self.model, self.split = model, split
@@ -56,14 +59,27 @@ class GraphPlan:
         """Each block's F, B, BI and BW on `samples` examples, as a one-block stage model on
         stand-in inputs: normal floats, and ones for integer inputs (token ids, masks). The
         state a training forward moves (BatchNormalization's moving statistics, dropout's
-        seed) is put back, so timing leaves the run's weights as they were."""
+        seed) is put back, so timing leaves the run's weights as they were. On a model built
+        weightless a unit holds its values only while it is timed."""
         timings = []
         bounds = [(i, i + 1) for i in range(self.n_units)]
         for i in range(self.n_units):
             stage = self.build(i, bounds, 1)
-            with untouched(stage):
+            with deferred.held(self.model, stage.weights), untouched(stage):
                 timings.append(time_unit(stage, self.stand_in(bounds, i, samples)))
+            del stage
+            gc.collect()  # its compiled calls, and with them the values they captured
         return timings
+
+    def hold_only(self, stages: Iterable[int], bounds: list[tuple[int, int]]) -> None:
+        """On a model built weightless, materialize what this rank holds (its stages' weights,
+        the optimizer's and the metrics' variables) and nothing of the other stages'."""
+        waiting = deferred.pending(self.model)
+        if waiting is not None:
+            mine = set(stages)
+            pieces = self.pieces(bounds)
+            others = {id(v) for s, p in enumerate(pieces) if s not in mine for v in p.weights}
+            waiting.keep_only(others)
 
     def stand_in(self, bounds: list[tuple[int, int]], s: int, samples: int) -> tuple:
         """Values of stage s's input tensors' shapes and dtypes, for timing it alone: normal
