@@ -176,7 +176,8 @@ def tall_mlp(
     layers += [
         keras.layers.Dense(width, activation="relu", name=f"hidden{i}") for i in range(depth)
     ]
-    model = keras.Sequential([*layers, keras.layers.Dense(DIGITS_CLASSES, name="logits")])
+    logits = keras.layers.Dense(DIGITS_CLASSES, name="logits")
+    model = keras.Sequential([*layers, logits], name="tall_mlp")  # in every weight's path
     if fine_tuned:
         for name in ("hidden0", "logits"):
             layer = model.get_layer(name)
