@@ -252,11 +252,17 @@ def start_sshd(node: Node) -> None:
 
 
 def wait_for_ssh(node: Node, timeout: float = 20) -> None:
-    """Until `ssh NODE hostname` answers with the node's name, as mpirun will ask it."""
+    """Until `ssh NODE hostname` answers with the node's name, as mpirun will ask it. An
+    attempt that hangs is cut off and tried again until the deadline: a node back on its link
+    may answer late while what it ran meanwhile still holds its cores."""
     deadline = time.monotonic() + timeout
     last = ""
     while time.monotonic() < deadline:
-        done = run(["ssh", node.name, "hostname"], check=False, timeout=15)
+        try:
+            done = run(["ssh", node.name, "hostname"], check=False, timeout=15)
+        except ClusterError as hung:
+            last = [str(hung)]
+            continue
         if done.returncode == 0 and done.stdout.strip() == node.name:
             return
         last = (done.stderr.strip() or done.stdout.strip()).splitlines()[-1:]

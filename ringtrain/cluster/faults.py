@@ -46,7 +46,7 @@ def inject(name: str, fault: str) -> str:
     if pid_from_file(ssh.sshd_pid_path(node), "sshd") is None:
         control.start_sshd(node)
         restarted.append("sshd")
-    control.wait_for_ssh(node)
+    control.wait_for_ssh(node, timeout=60)  # its ranks may still spin on its cores
     if spec.slurm:
         cluster = control.slurm_cluster(layout)
         slurm_node = next(n for n in control.slurm_nodes(layout) if n.name == name)
