@@ -17,7 +17,9 @@ import pytest
 from conftest import BIN, ENV, MPIRUN, ROOT, load_npz, one_line_error, ringtrain
 from optuna.trial import TrialState
 
+from ringtrain.errors import UserError
 from ringtrain.sweep import ledger
+from ringtrain.sweep.storage import load_study, parse_storage
 
 SPACE = """\
 lr: {type: float, low: 1.0e-7, high: 0.5, log: true}
@@ -42,7 +44,9 @@ def sweep(space: Path, storage: str, study: str, out: Path, *flags: str) -> list
 
 
 def trials_of(storage: str, study: str) -> list:
-    return optuna.load_study(study_name=study, storage=storage).get_trials(deepcopy=False)
+    """Read through ringtrain's opener: it makes a new file's tables under the sweep's lock,
+    so this poll and a starting launch never both make them."""
+    return load_study(parse_storage(storage), study).get_trials(deepcopy=False)
 
 
 def session_ranks(sid: int, ranks_only: bool = True) -> list[int]:
@@ -161,7 +165,7 @@ def wait_until(storage: str, study: str, ready, what: str) -> list:
     while time.monotonic() < deadline:
         try:
             trials = trials_of(storage, study)
-        except KeyError:  # the launch has not made the study yet
+        except UserError:  # the launch has not made the study yet
             trials = []
         if trials and ready(trials):
             return trials

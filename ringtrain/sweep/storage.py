@@ -74,8 +74,24 @@ def check_writable(storage: StorageURL) -> None:
         raise UserError(f"--storage {storage.url}: {problem}") from None
 
 
+@contextlib.contextmanager
+def asking(storage: StorageURL) -> Iterator[None]:
+    """Held while a group counts the study's trials and asks for the next one."""
+    if storage.lock_path is None:
+        yield
+        return
+    with open(storage.lock_path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def open_storage(storage: StorageURL):
-    """Optuna's storage object; a server that does not answer is named in one line."""
+    """Optuna's storage object; a server that does not answer is named in one line. A new
+    SQLite file gets its tables under the file lock: two processes making them at once (a
+    sweep starting while `sweep status` reads it) would both insert the schema's version."""
     import optuna
 
     check_writable(storage)
@@ -87,7 +103,8 @@ def open_storage(storage: StorageURL):
         kwargs = {}
         if storage.kind == "server":
             kwargs = {"engine_kwargs": {"connect_args": {"connect_timeout": CONNECT_TIMEOUT_S}}}
-        return optuna.storages.RDBStorage(storage.url, **kwargs)
+        with asking(storage):
+            return optuna.storages.RDBStorage(storage.url, **kwargs)
     except UserError:
         raise
     except Exception as exc:  # sqlalchemy's and the drivers' errors, in one line
@@ -106,20 +123,6 @@ def _hidden(url: str) -> str:
 def _first_line(exc: BaseException) -> str:
     text = str(getattr(exc, "orig", None) or exc).strip()
     return (text.splitlines() or [type(exc).__name__])[0]
-
-
-@contextlib.contextmanager
-def asking(storage: StorageURL) -> Iterator[None]:
-    """Held while a group counts the study's trials and asks for the next one."""
-    if storage.lock_path is None:
-        yield
-        return
-    with open(storage.lock_path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def open_study(
