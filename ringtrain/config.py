@@ -228,7 +228,8 @@ class TrainConfig:
         default=None,
         metadata=flag(
             "allreduce gradients in buckets of this many MiB as the backward makes them "
-            "(default: one fused allreduce after the backward)",
+            "(default: one fused allreduce after the backward); with --shard-optimizer, the "
+            "reduce-scatter's and allgather's chunks (default 16)",
             bound=positive,
         ),
     )

@@ -100,8 +100,8 @@ def _validate_bucketing(cfg: TrainConfig) -> None:
 
 def _validate_sharding(cfg: TrainConfig) -> None:
     """--shard-optimizer divides ringtrain's own data-parallel step's optimizer among replicas:
-    one reduce-scatter of every gradient, so no buckets; model.fit's optimizer holds every slot;
-    within a pipeline's replica groups it is not done yet."""
+    model.fit's optimizer holds every slot; within a pipeline's replica groups it is not done
+    yet."""
     if not cfg.shard_optimizer:
         return
     if runs_stages(cfg):
@@ -112,11 +112,6 @@ def _validate_sharding(cfg: TrainConfig) -> None:
     if cfg.loop != "custom":
         raise UserError(
             "--shard-optimizer needs --loop custom (model.fit's optimizer holds every slot)"
-        )
-    if cfg.bucket_mb is not None:
-        raise UserError(
-            "--bucket-mb does not go with --shard-optimizer, which reduce-scatters all the "
-            "gradients at once"
         )
 
 

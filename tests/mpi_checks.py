@@ -560,14 +560,15 @@ KERAS_ZOO |= dict.fromkeys(SHARD_VARIANTS, KERAS_ZOO["residual_cnn"])
 def shard_grid(world_size: int) -> list[TrainConfig]:
     """The zoo under --shard-optimizer: Adam (a partial, uneven last batch), SGD + Nesterov
     momentum, SGD + momentum under a frozen extractor, AdamW with a cosine schedule and
-    global_clipnorm, Adam with clipnorm, RMSprop with clipvalue and two outputs under
+    global_clipnorm, Adam with clipnorm, RMSprop with clipvalue (these on 2 ranks in chunks of
+    0.01 MiB: many reduce-scatters, allgathers and slot variables a step) and two outputs under
     --accumulate 2; on more than 2 ranks Adam and SGD + Nesterov momentum alone."""
     base = TrainConfig(batch_size=KERAS_BATCH, steps=KERAS_STEPS, seed=KERAS_SEED, shuffle=False)
     sharded = replace(base, strategy="data", shard_optimizer=True)
     zoo = ("residual_cnn", "residual_cnn_nesterov", "frozen_finetune", "regression_mlp")
     if world_size > 2:
         return [replace(sharded, model=m) for m in zoo[:2]]
-    grid = [replace(sharded, model=m) for m in (*zoo, *SHARD_VARIANTS)]
+    grid = [replace(sharded, model=m, bucket_mb=0.01) for m in (*zoo, *SHARD_VARIANTS)]
     return [*grid, replace(sharded, model="two_heads", accumulate=2)]
 
 
@@ -604,7 +605,7 @@ def shard_main() -> None:
             print(json.dumps(report), flush=True)
     if size != 2:
         return
-    cfg = case("data", "mlp", "adam", shard_optimizer=True)
+    cfg = case("data", "mlp", "adam", shard_optimizer=True, bucket_mb=0.01)
     check = resume_check(cfg, world, {}, f"{sys.argv[2]}/sharded")
     if world.rank == 0:
         config = {k: v for k, v in cfg.as_dict().items() if k in REPORTED}

@@ -36,6 +36,8 @@ from ringtrain.checkpoint import (
 from ringtrain.dataparallel.engine import DataParallelEngine
 from ringtrain.errors import UserError
 
+CHUNK_BYTES = 16 * 2**20  # a reduce-scatter's input at most (--bucket-mb sets it)
+
 ELEMENTWISE = (
     keras.optimizers.SGD,
     keras.optimizers.Adam,
@@ -96,9 +98,11 @@ class FlatLayout:
         self.total, self.ranks = sum(self.sizes), ranks
         self.shard = -(-self.total // ranks)
 
-    def pieces(self, rank: int) -> list[tuple[int, int, int]]:
-        """(variable, start, stop) of each part of a variable, flattened, in rank's slice."""
-        start, stop = rank * self.shard, (rank + 1) * self.shard
+    def pieces(self, rank: int, lo: int = 0, hi: int | None = None) -> list[tuple[int, int, int]]:
+        """(variable, start, stop) of each part of a variable, flattened, in rank's slice (or in
+        its elements lo to hi)."""
+        hi = self.shard if hi is None else hi
+        start, stop = rank * self.shard + lo, rank * self.shard + hi
         found = []
         for i, (offset, size) in enumerate(zip(self.offsets, self.sizes, strict=True)):
             a, b = max(start, offset), min(stop, offset + size)
@@ -106,8 +110,15 @@ class FlatLayout:
                 found.append((i, a - offset, b - offset))
         return found
 
-    def padding(self, rank: int) -> int:
-        return self.shard - sum(b - a for _, a, b in self.pieces(rank))
+    def padding(self, rank: int, lo: int = 0, hi: int | None = None) -> int:
+        hi = self.shard if hi is None else hi
+        return hi - lo - sum(b - a for _, a, b in self.pieces(rank, lo, hi))
+
+    def chunks(self, chunk_elements: int) -> list[tuple[int, int]]:
+        """Equal ranges of every slice, each reduce-scattered on its own: rank r's elements lo
+        to hi of chunk (lo, hi) are its share of that call, so the slices stay as laid out."""
+        step = max(1, chunk_elements // self.ranks)
+        return [(lo, min(lo + step, self.shard)) for lo in range(0, self.shard, step)]
 
 
 class OptimizerLayout:
@@ -137,24 +148,51 @@ class OptimizerLayout:
 class ShardedUpdate:
     """This rank's slice of the weights, its optimizer, and the step that updates through it."""
 
-    def __init__(self, hvd, optimizer, trainable: list, rank: int, ranks: int, fp16: bool):
+    def __init__(
+        self,
+        hvd,
+        optimizer,
+        trainable: list,
+        rank: int,
+        ranks: int,
+        fp16: bool,
+        chunk_bytes: int = CHUNK_BYTES,
+    ):
         self.hvd, self.trainable, self.rank, self.refusal = hvd, trainable, rank, None
         self.flat = FlatLayout([tuple(v.shape) for v in trainable], ranks)
         self.pieces, self.pad = self.flat.pieces(rank), self.flat.padding(rank)
         self.compression = hvd.Compression.fp16 if fp16 else hvd.Compression.none
         self.clipnorm, self.global_clipnorm = optimizer.clipnorm, optimizer.global_clipnorm
         self.layout = OptimizerLayout(optimizer, len(trainable))
+        # The slice in chunks, each its own variable: the optimizer's temporaries (Adam makes
+        # several per variable as it updates) are then a chunk's size, not the slice's.
+        self.chunks = self.flat.chunks(chunk_bytes // 4)
+        self.params = [
+            keras.Variable(np.zeros(hi - lo, np.float32), name=f"shard_{lo}")
+            for lo, hi in self.chunks
+        ]
         self.optimizer = clone_optimizer(optimizer, clipnorm=None, global_clipnorm=None)
-        self.params = keras.Variable(np.zeros(self.flat.shard, np.float32), name="shard")
-        self.optimizer.build([self.params])
-        self.own = [v for v in self.optimizer.variables if len(v.shape) == 0]
-        self.slots = [v for v in self.optimizer.variables if len(v.shape) == 1]
-        if len(self.own) != self.layout.own or len(self.slots) != self.layout.kinds:
+        self.optimizer.build(self.params)
+        chunked = OptimizerLayout(self.optimizer, len(self.params))
+        self.own, self.slots = [], [[None] * len(self.params) for _ in range(chunked.kinds)]
+        for v, where in zip(self.optimizer.variables, chunked.positions, strict=False):
+            if where[0] == "own":
+                self.own.append(v)
+            else:
+                self.slots[where[1]][where[2]] = v
+        if (
+            len(self.optimizer.variables) != len(chunked.positions)
+            or len(self.own) != self.layout.own
+            or chunked.kinds != self.layout.kinds
+        ):
             raise UserError(f"--shard-optimizer cannot lay out the slots of {optimizer.name}")
 
     def apply(self, grads: list, loss: tf.Tensor, stop: tf.Tensor) -> tuple:
-        """(loss, stop) averaged over the replicas, the weights updated: in the step's graph."""
-        ranks, shard = self.flat.ranks, self.flat.shard
+        """(loss, stop) averaged over the replicas, the weights updated: in the step's graph.
+        Chunk by chunk, one after another, so the step holds the gradients and one chunk's
+        copy of them: one reduce-scatter of them all would copy them whole, and MPI and
+        Horovod add buffers of that size; one allgather would hold a second copy of the
+        weights."""
         sparse = [
             v.path
             for v, g in zip(self.trainable, grads, strict=True)
@@ -168,30 +206,73 @@ class ShardedUpdate:
             raise UserError(self.refusal)
         flat = [tf.reshape(g, [-1]) for g in grads]
         riders = tf.stack([loss, stop])
-        sent = tf.concat([x for r in range(ranks) for x in [*self._parts(flat, r), riders]], 0)
-        mine = self.hvd.reducescatter(sent, op=self.hvd.Average, compression=self.compression)
-        grad, loss, stop = mine[:shard], mine[shard], mine[shard + 1]
+        received, done = [], []
+        for lo, hi in self.chunks:  # rank r's elements lo to hi of the slice come to rank r
+            last = [riders] if hi == self.flat.shard else []
+            with tf.control_dependencies(done):
+                sent = tf.concat(
+                    [
+                        x
+                        for r in range(self.flat.ranks)
+                        for x in [*self._parts(flat, r, lo, hi), *last]
+                    ],
+                    0,
+                )
+            done = [
+                self.hvd.reducescatter(
+                    sent, op=self.hvd.Average, compression=self.compression, name=f"shard_{lo}"
+                )
+            ]
+            received.append(done[0])
+        tail = self.chunks[-1][1] - self.chunks[-1][0]
+        loss, stop, received[-1] = received[-1][tail], received[-1][tail + 1], received[-1][:tail]
         if self.clipnorm or self.global_clipnorm:
-            grad = self._clipped(grad)
-        self.params.assign(self._slice([v.value for v in self.trainable], self.rank))
-        self.optimizer.apply_gradients([(grad, self.params)])
-        whole = self.hvd.allgather(tf.convert_to_tensor(self.params.value))
-        for v, offset, size in zip(self.trainable, self.flat.offsets, self.flat.sizes, strict=True):
-            v.assign(tf.reshape(whole[offset : offset + size], v.shape))
-            if v.constraint is not None:  # as Keras's optimizer does after its update
-                v.assign(v.constraint(v))
+            whole = self._clipped(tf.concat(received, 0) if len(received) > 1 else received[0])
+            received = tf.split(whole, [hi - lo for lo, hi in self.chunks])
+        weights = [v.value for v in self.trainable]
+        for (lo, hi), params in zip(self.chunks, self.params, strict=True):
+            params.assign(tf.concat(self._parts(weights, self.rank, lo, hi), 0))
+        self.optimizer.apply_gradients(zip(received, self.params, strict=True))
+        self._gather_back()
         return loss, stop
 
-    def _parts(self, tensors: list, rank: int) -> list:
-        """The pieces of rank's slice of per-variable tensors laid end to end, and zeros for its
-        padding: concatenated once where they are needed, never as a whole flat vector first
-        (each copy of the gradients is as large as Adam's two slots are over N)."""
-        parts = [tf.reshape(tensors[i], [-1])[a:b] for i, a, b in self.flat.pieces(rank)]
-        padding = self.flat.padding(rank)
-        return parts + ([tf.zeros([padding], tf.float32)] if padding else [])
+    def _gather_back(self) -> None:
+        """Every rank's updated chunks into the model's variables: a variable is written once
+        all its pieces have come."""
+        shard = self.flat.shard
+        pieces: dict[int, list] = {i: [] for i in range(len(self.trainable))}
+        done: list = []
+        for (lo, hi), params in zip(self.chunks, self.params, strict=True):
+            with tf.control_dependencies(done):
+                got = self.hvd.allgather(tf.convert_to_tensor(params.value), name=f"gather_{lo}")
+            done = [got]
+            for r in range(self.flat.ranks):
+                start = r * (hi - lo) - (r * shard + lo)  # flat position -> place in `got`
+                for i, a, b in self.flat.pieces(r, lo, hi):
+                    at = start + self.flat.offsets[i] + a
+                    pieces[i].append((a, b - a, got[at : at + b - a]))
+                    if sum(n for _, n, _ in pieces[i]) == self.flat.sizes[i]:
+                        ordered = sorted(pieces.pop(i), key=lambda piece: piece[0])
+                        done.append(self._write(i, [p for _, _, p in ordered]))
 
-    def _slice(self, tensors: list, rank: int) -> tf.Tensor:
-        return tf.concat(self._parts(tensors, rank), 0)
+    def _write(self, i: int, pieces: list):
+        v = self.trainable[i]
+        written = v.assign(
+            tf.reshape(pieces[0] if len(pieces) == 1 else tf.concat(pieces, 0), v.shape)
+        )
+        if v.constraint is not None:  # as Keras's optimizer does after its update
+            written = v.assign(v.constraint(v))
+        return written
+
+    def _parts(self, tensors: list, rank: int, lo: int = 0, hi: int | None = None) -> list:
+        """The pieces of rank's slice (elements lo to hi of it) of per-variable tensors laid end
+        to end, and zeros for its padding: concatenated once where they are needed, never as a
+        whole flat vector first (each copy of the gradients is as large as Adam's two slots are
+        over N)."""
+        pieces = self.flat.pieces(rank, lo, hi)
+        parts = [tf.reshape(tensors[i], [-1])[a:b] for i, a, b in pieces]
+        padding = self.flat.padding(rank, lo, hi)
+        return parts + ([tf.zeros([padding], tf.float32)] if padding else [])
 
     def _clipped(self, grad: tf.Tensor) -> tf.Tensor:
         """Keras's clipnorm (each variable's gradient to its own norm) or global_clipnorm (all of
@@ -218,7 +299,10 @@ class ShardedUpdate:
 
     def state(self, rank: int) -> dict[str, np.ndarray]:
         """This rank's slots; rank 0 adds the optimizer's own variables, in the whole layout."""
-        found = {shard_key(k): np.asarray(slot.numpy()) for k, slot in enumerate(self.slots)}
+        found = {
+            shard_key(k): np.concatenate([chunk.numpy() for chunk in chunks])
+            for k, chunks in enumerate(self.slots)
+        }
         if rank == 0:
             for position, where in enumerate(self.layout.positions):
                 if where[0] == "own":
@@ -235,14 +319,16 @@ class ShardedUpdate:
             else:
                 by_slot[where[1:]] = state[key]
         assign_checked(state, own)
-        for kind, slot in enumerate(self.slots):
+        for kind, chunks in enumerate(self.slots):
             per_variable = [by_slot.get((kind, i)) for i in range(len(self.trainable))]
             stored = [s for s in per_variable if s is not None]
             if len(stored) != len(per_variable) or any(
                 s.size != n for s, n in zip(stored, self.flat.sizes, strict=True)
             ):
                 raise UserError("checkpoint's optimizer slots do not match this model")
-            slot.assign(self._slice([s.astype(np.float32) for s in per_variable], self.rank))
+            values = [s.astype(np.float32) for s in per_variable]
+            for (lo, hi), chunk in zip(self.chunks, chunks, strict=True):
+                chunk.assign(tf.concat(self._parts(values, self.rank, lo, hi), 0))
 
     def manifest_entry(self, parts: list[str]) -> dict:
         """How the shards lay out each slot of the whole optimizer, for checkpoint.py."""
@@ -266,6 +352,7 @@ class ShardedDataParallelEngine(DataParallelEngine):
             world.rank,
             world.size,
             self.cfg.fp16_allreduce,
+            int(self.cfg.bucket_mb * 2**20) if self.cfg.bucket_mb else CHUNK_BYTES,
         )
         return self.update.optimizer
 

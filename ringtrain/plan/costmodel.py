@@ -232,12 +232,14 @@ def model_bytes(
     """A rank's model memory by what holds it, in bytes, from counts of 4-byte words: its
     `weights`; a gradient per `trainable` weight; the optimizer's `slots` words per trainable
     weight (Adam's two moments), divided among `shards` replicas when the optimizer is
-    sharded; and the `activations` its tapes hold for the examples in flight. The one
-    arithmetic behind `plan`'s memory column and `train`'s memory check."""
+    sharded, which adds the rank's slice of the weights it updates (a copy: no views into
+    TensorFlow's variables); and the `activations` its tapes hold for the examples in flight.
+    The one arithmetic behind `plan`'s memory column and `train`'s memory check."""
+    state_words = trainable * (slots + (1 if shards > 1 else 0)) / shards
     return {
         "weights": int(weights * FLOAT_BYTES),
         "gradients": int(trainable * FLOAT_BYTES),
-        "optimizer state": int(trainable * slots * FLOAT_BYTES / shards),
+        "optimizer state": int(state_words * FLOAT_BYTES),
         "activations in flight": int(activations * FLOAT_BYTES),
     }
 
