@@ -37,7 +37,10 @@ from ringtrain.weights import by_path, save_npz
 
 @dataclass
 class TrainResult:
-    """Metrics on every rank's return; weights only on rank 0 (None elsewhere)."""
+    """Metrics on every rank's return. Weights on rank 0 only (None elsewhere), and there only
+    when the whole model was gathered: always for a model the caller built whole, for a
+    pipeline's stages only when an output (--save, --weights-out, --initial-weights-out) or a
+    callback needs them."""
 
     metrics: dict
     weights: dict[str, np.ndarray] | None
