@@ -76,7 +76,8 @@ def check_writable(storage: StorageURL) -> None:
 
 @contextlib.contextmanager
 def asking(storage: StorageURL) -> Iterator[None]:
-    """Held while a group counts the study's trials and asks for the next one."""
+    """Held while a group counts the study's trials and asks for the next one, and while a new
+    SQLite file gets its tables."""
     if storage.lock_path is None:
         yield
         return
