@@ -22,7 +22,14 @@ from typing import Any
 import numpy as np
 
 from ringtrain import heartbeat, log, loop, runtime
-from ringtrain.config import TrainConfig, check_paths, pp_size_of, runs_stages, uses_horovod
+from ringtrain.config import (
+    TrainConfig,
+    check_paths,
+    gathers_whole_model,
+    pp_size_of,
+    runs_stages,
+    uses_horovod,
+)
 from ringtrain.data import Dataset, Examples, UserData, step_plan
 from ringtrain.deadline import step_traffic, transfer_time
 from ringtrain.errors import UserError, alike_on_every_rank
@@ -38,9 +45,8 @@ from ringtrain.weights import by_path, save_npz
 @dataclass
 class TrainResult:
     """Metrics on every rank's return. Weights on rank 0 only (None elsewhere), and there only
-    when the whole model was gathered: always for a model the caller built whole, for a
-    pipeline's stages only when an output (--save, --weights-out, --initial-weights-out) or a
-    callback needs them."""
+    when the whole model was copied out (config.gathers_whole_model): under single and data
+    for --weights-out alone, as rank 0's model is itself trained."""
 
     metrics: dict
     weights: dict[str, np.ndarray] | None
@@ -63,10 +69,8 @@ def train(
     from ringtrain.keras_model.deferred import pending
 
     me = who_am_i()
-    # A model built weightless (train's pipeline ranks) is gathered whole on rank 0 only for
-    # what needs it; a model the caller built is whole there already, and gets the weights.
     asked = bool(cfg.save or cfg.weights_out or cfg.initial_weights_out or callbacks)
-    gathers = pending(model) is None or asked
+    gathers = gathers_whole_model(cfg, asked, pending(model) is None)
     with alike_on_every_rank(me.rank):
         validate_flags(cfg, me.world_size, given)
         check_compiled(model, "the model")
@@ -111,8 +115,10 @@ def train(
     if cfg.loop != "fit":
         train_on = _looped(data, cfg, make, hooks, gathers)
     result = _run(cfg, f"Keras model {model.name!r}", _read_alike(data, cfg, train_on))
-    if result.weights is not None:  # rank 0: the stages' weights, gathered
+    if runs_stages(cfg) and result.weights is not None:  # rank 0: the stages' weights
         receive_weights(model, result.weights)
+    whole_here = gathers or not runs_stages(cfg)  # rank 0's model holds the trained weights
+    if me.rank == 0 and result.metrics.get("finished", True) and whole_here:
         if hooks:
             hooks.train_end(_last_epoch_logs(result.metrics))
         if cfg.save:
@@ -129,7 +135,8 @@ def _fitted(model, data: UserData, cfg: TrainConfig):
 
         base = base_learning_rate(model.optimizer)
         metrics = fit_model(model, data, cfg, world, watchdog, CompiledMetrics(model), base)
-        return metrics, by_path(model.weights) if world.rank == 0 else None
+        _check_finite(world, model.weights, metrics["steps"])
+        return metrics, by_path(model.weights) if world.rank == 0 and cfg.weights_out else None
 
     return run
 
@@ -207,12 +214,20 @@ def _looped(data, cfg: TrainConfig, make, callbacks=None, gathers: bool = True):
         traffic = step_traffic(engine, cfg.microbatches)  # the deadline rule, for a whole step
         watchdog.allow(transfer_time(traffic, cfg.min_link_rate))
         metrics = loop.run(engine, data, cfg, world, dp_size, watchdog, callbacks)
+        _check_finite(world, engine.variables, metrics["steps"])
         if not gathers:
             return metrics, None
         watchdog.kick("gathering the weights")
         return metrics, engine.gather_weights()
 
     return run
+
+
+def _check_finite(world: runtime.World, variables: list, steps: int) -> None:
+    """The last update's weights, each rank its own: one variable's copy at a time, so no
+    rank holds a second copy of its model for it."""
+    if not finite_on_every_rank(world.comm, (v.numpy() for v in variables)):
+        raise non_finite("the weights became non-finite", steps, world.rank, None)
 
 
 def _run(cfg: TrainConfig, what: str, train_on) -> TrainResult:
@@ -233,8 +248,6 @@ def _run(cfg: TrainConfig, what: str, train_on) -> TrainResult:
     if world.rank == 0 and (warning := keepalive_warning()):
         log.any_rank(warning)
     metrics, weights = train_on(world, watchdog)
-    if not finite_on_every_rank(world.comm, (weights or {}).values()):  # the last update's
-        raise non_finite("the weights became non-finite", metrics["steps"], world.rank, None)
     watchdog.stop()
     if not metrics.get("finished", True):
         return TrainResult(metrics, None)

@@ -16,6 +16,7 @@ import socket
 import zipfile
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from ringtrain.comm import Link
 from ringtrain.errors import UserError
@@ -56,7 +57,7 @@ def sha256(path: str) -> str:
     return digest.hexdigest()
 
 
-def write_part(root: str, step: int, part: str, arrays: dict[str, np.ndarray]) -> str:
+def write_part(root: str, step: int, part: str, arrays: dict[str, ArrayLike]) -> str:
     """Write one rank's part; returns its SHA-256 for the manifest."""
     folder = step_dir(root, step)
     os.makedirs(folder, exist_ok=True)
@@ -266,9 +267,21 @@ def weight_key(variable) -> str:
     return f"weights/{variable.path}"
 
 
-def weights_state(variables) -> dict[str, np.ndarray]:
+class ReadWhenWritten:
+    """A variable whose value is read only as it is checked or written (numpy converts it
+    through __array__), one at a time: a checkpoint never holds a second copy of the whole of
+    a rank's state, which for a stage under Adam is three times its weights."""
+
+    def __init__(self, variable):
+        self.variable = variable
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        return np.asarray(self.variable.numpy(), dtype=dtype)
+
+
+def weights_state(variables) -> dict[str, ReadWhenWritten]:
     """Weights by stable name."""
-    return {weight_key(v): np.asarray(v.numpy()) for v in variables}
+    return {weight_key(v): ReadWhenWritten(v) for v in variables}
 
 
 def optimizer_key(position: int) -> str:
@@ -277,10 +290,10 @@ def optimizer_key(position: int) -> str:
     return f"optimizer/{position:04d}"
 
 
-def training_state(variables, optimizer) -> dict[str, np.ndarray]:
+def training_state(variables, optimizer) -> dict[str, ReadWhenWritten]:
     """Weights by stable name, and the optimizer's variables (slots, step count) by position."""
     state = weights_state(variables)
-    state |= {optimizer_key(i): np.asarray(v.numpy()) for i, v in enumerate(optimizer.variables)}
+    state |= {optimizer_key(i): ReadWhenWritten(v) for i, v in enumerate(optimizer.variables)}
     return state
 
 
@@ -334,7 +347,7 @@ def assign_checked(state: dict[str, np.ndarray], pairs: list) -> None:
 class Checkpointable:
     """For engines holding `variables` and `optimizer`: their state as checkpoint arrays."""
 
-    def state(self) -> dict[str, np.ndarray]:
+    def state(self) -> dict[str, ArrayLike]:
         return training_state(self.variables, self.optimizer)
 
     def load_state(self, state: dict[str, np.ndarray]) -> None:

@@ -551,6 +551,16 @@ def runs_stages(cfg: TrainConfig) -> bool:
     return cfg.strategy in ("model", "pipeline") or (cfg.strategy == "hybrid" and cfg.pp_size != 1)
 
 
+def gathers_whole_model(cfg: TrainConfig, outputs_ask: bool, built_whole: bool) -> bool:
+    """Whether rank 0 copies the whole model's weights out at the end. Single and data train
+    the model itself, so only --weights-out needs the copy; a pipeline's stages come to rank 0
+    where an output or callback needs the model whole (`outputs_ask`), and always into a
+    model the caller built whole (it ends up trained)."""
+    if runs_stages(cfg):
+        return built_whole or outputs_ask
+    return bool(cfg.weights_out)
+
+
 def pp_size_of(cfg: TrainConfig, world_size: int) -> int:
     """The ranks of one pipeline (P) under this strategy: 1 where there is no pipeline."""
     if cfg.strategy in ("model", "pipeline"):

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from ringtrain.errors import EXIT_SILENT_PEER, EXIT_WATCHDOG, NonFiniteError, UserError, report
 
@@ -92,8 +93,9 @@ class StopSignal:
         return bool(anyone[0]), not anyone[1]
 
 
-def finite_on_every_rank(comm, arrays: Iterable[np.ndarray]) -> bool:
-    """Whether every rank's arrays are free of NaN and infinity (a collective)."""
+def finite_on_every_rank(comm, arrays: Iterable[ArrayLike]) -> bool:
+    """Whether every rank's arrays are free of NaN and infinity (a collective); each is made
+    an array as it is checked."""
     mine = all(bool(np.isfinite(a).all()) for a in arrays)
     flag = np.array([1 if mine else 0], np.int32)
     comm.Allreduce(_mpi("IN_PLACE"), flag, op=_mpi("MIN"))

@@ -19,6 +19,9 @@ with no calibration and no profile:
   shuffle window permutes positions, not rows);
 - BASELINE_BYTES, what a rank holds before its model.
 
+It predicts the memory a limit counts and cannot reclaim (anonymous memory): a cgroup at its
+limit drops file-backed pages, such as the libraries' code, before it kills.
+
 A pipeline's stages are cut as the run will cut them where that needs no profile (--split-at,
 uniform, params); the time partition is approximated by the params one. Every rank predicts
 the fullest rank of the grid and takes the tightest limit any rank found, so all reach the
@@ -36,7 +39,13 @@ import numpy as np
 
 from ringtrain import log
 from ringtrain.ahead import KEPT
-from ringtrain.config import TrainConfig, partition_method, pp_size_of, runs_stages
+from ringtrain.config import (
+    TrainConfig,
+    gathers_whole_model,
+    partition_method,
+    pp_size_of,
+    runs_stages,
+)
 from ringtrain.errors import UserError
 from ringtrain.launch.env import RankInfo
 from ringtrain.memory_limit import SOURCES, Limit, rank_limit
@@ -47,10 +56,13 @@ from ringtrain.plan.costmodel import FLOAT_BYTES, model_bytes
 from ringtrain.validation import validate_flags
 
 GIB = 2**30
-# What a rank holds before its model: TensorFlow, MPI, Horovod and ringtrain loaded and a step
-# compiled. Measured here as the peak resident set (VmHWM) of each rank of `mpirun -np 2
-# ringtrain train --model mlp` (whose model is a tenth of a MiB): 0.545 GiB.
-BASELINE_BYTES = int(0.55 * GIB)
+# What a rank holds before its model that the kernel cannot take back: TensorFlow, MPI,
+# Horovod and ringtrain loaded and a step compiled. Measured here as the peak anonymous memory
+# (RssAnon) of each rank of `mpirun -np 2 ringtrain train --model mlp` (whose model is a tenth
+# of a MiB): 0.21-0.22 GiB; the transformer's ranks, 0.25 GiB. Their peak resident set is
+# 0.33 GiB more: the shared libraries' pages, which a memory cgroup at its limit reclaims
+# (and reads again) rather than kill for, so no limit is predicted against them.
+BASELINE_BYTES = int(0.23 * GIB)
 CONSUMERS = ("weights", "gradients", "optimizer state", "activations in flight")
 HOROVOD_FUSION_BYTES = 64 * 2**20  # Horovod's default HOROVOD_FUSION_THRESHOLD
 MICROBATCH_COUNTS = (8, 4, 2)  # tried for a fitting pipeline, most first (smaller, less bubble)
@@ -87,9 +99,10 @@ def check_memory(
 ) -> None:
     """Refuse, alike on every rank, a run predicted to need more memory per rank than its
     limit (see module doc); nothing is checked where no limit is found. Rank 0 says what it
-    did (the log knows no rank before the runtime starts). `gathers`: whether rank 0 gathers
-    the whole model's weights; `asked`: whether the run's outputs ask for them (--save,
-    --weights-out, callbacks), as a pipeline suggested instead would gather them only then."""
+    did (the log knows no rank before the runtime starts). `gathers`: whether rank 0 copies
+    the whole model's weights out (config.gathers_whole_model); `asked`: whether the run's
+    outputs ask for them whole (--save, --weights-out, callbacks), as a pipeline suggested
+    instead would gather them only then."""
     if cfg.ignore_memory_check:
         if me.rank == 0:
             log.info("--ignore-memory-check: memory per rank is not checked against its limit")
@@ -148,15 +161,15 @@ def rank_peak(
 ) -> dict[str, int]:
     """The fullest rank's predicted peak in bytes, by what holds it: the model's consumers
     (costmodel's arithmetic), what the run adds around them, its input buffers, the baseline.
-    `gathers`: whether a pipeline's rank 0 gathers the whole model's weights."""
+    `gathers`: whether rank 0 copies the whole model's weights out at the end."""
     fixed = {"input buffers": facts.input_bytes, "baseline": BASELINE_BYTES}
-    if not runs_stages(cfg):  # every rank alike; rank 0 also gathers the weights
+    if not runs_stages(cfg):  # every rank alike
         share = math.ceil(cfg.batch_size / world_size / cfg.accumulate)
         shards = world_size if cfg.shard_optimizer else 1
         model = model_bytes(
             facts.weights, facts.trainable, facts.slots, facts.activations * share, shards
         )
-        around = _around(facts, facts.trainable, facts.largest, world_size, True)
+        around = _around(facts, facts.trainable, facts.largest, world_size, gathers)
         return {**model, **around, **fixed}
     pp_size = pp_size_of(cfg, world_size)
     dp_size = world_size // pp_size
@@ -181,23 +194,34 @@ def rank_peak(
         trainable = sum(u.trainable for u in mine)
         largest = max((u.largest for u in mine), default=0.0)
         at_end = gathers and rank == 0
-        ranks.append({**summed, **_around(facts, trainable, largest, dp_size, at_end)})
+        around = _around(facts, trainable, largest, dp_size, at_end, stages=True)
+        ranks.append({**summed, **around})
     return {**max(ranks, key=lambda r: sum(r.values())), **fixed}
 
 
 def _around(
-    facts: ModelFacts, trainable: float, largest: float, replicas: int, gathers: bool
+    facts: ModelFacts,
+    trainable: float,
+    largest: float,
+    replicas: int,
+    gathers: bool,
+    stages: bool = False,
 ) -> dict[str, int]:
-    """What a training rank holds beyond plan's four consumers, in bytes (seen here: without
-    them a wide MLP's peak was under-predicted by a fifth): rank 0's copy of the whole model's
-    weights, gathered at the end where anything needs them; where replicas average, Horovod's
-    averaged gradients and its fusion buffer; and the optimizer step's temporaries, taken as
-    two of its largest weight."""
+    """What a training rank holds beyond plan's four consumers, in bytes, as measured here
+    (peak anonymous memory of tall MLPs under SGD and Adam on 1 and 2 ranks; without these a
+    pipeline stage was under-predicted by 1.6 copies of its weights): rank 0's copy of the
+    whole model's weights where it copies them out at the end; where replicas average, 2.5
+    copies of the trainable weights beside the gradients (Horovod's outputs and the averaged
+    step's) and Horovod's fusion buffer; and the optimizer step's temporaries. One process's
+    compiled step frees each gradient once its update has run, so two of its largest weight
+    cover them; a stage's step holds each microbatch's gradients beside their sum, and updates
+    all its weights at once: 1 + slots/2 copies of them."""
     fusion = int(os.environ.get("HOROVOD_FUSION_THRESHOLD", HOROVOD_FUSION_BYTES))
+    temporaries = (1 + facts.slots / 2) * trainable if stages else 2 * largest
     return {
         "weights gathered at the end": int(facts.weights * FLOAT_BYTES) if gathers else 0,
-        "gradient averaging": int(trainable * FLOAT_BYTES) + fusion if replicas > 1 else 0,
-        "step temporaries": int(2 * largest * FLOAT_BYTES),
+        "gradient averaging": int(2.5 * trainable * FLOAT_BYTES) + fusion if replicas > 1 else 0,
+        "step temporaries": int(temporaries * FLOAT_BYTES),
     }
 
 
@@ -217,7 +241,8 @@ def fitting(
     """What the same arithmetic says fits under `limit` at the same global batch: the
     optimizer sharded among the same ranks, else a pipeline (or hybrid) on them, else a
     pipeline on more ranks, up to one stage per unit of the graph. A pipeline's rank 0
-    gathers the whole model where the outputs ask for it (`asked`)."""
+    gathers the whole model where the outputs ask for it (`asked`), data parallel for
+    --weights-out alone."""
     tried = []
     if not runs_stages(cfg) and world_size > 1 and not cfg.shard_optimizer:
         tried.append((world_size, replace(cfg, shard_optimizer=True, bucket_mb=None)))
@@ -237,7 +262,8 @@ def fitting(
             validate_flags(candidate, ranks)
         except UserError:
             continue
-        need = sum(rank_peak(facts, candidate, ranks, asked).values())
+        gathers = gathers_whole_model(candidate, asked, built_whole=False)
+        need = sum(rank_peak(facts, candidate, ranks, gathers).values())
         if need <= limit.bytes:
             return f"fits: `{_flags(candidate)}` on {ranks} ranks (predicted {_gib(need)})"
     if (floor := BASELINE_BYTES + facts.input_bytes) > limit.bytes:

@@ -21,6 +21,10 @@ ENV = {
     "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
 }
 MPIRUN = ["mpirun", "--oversubscribe", "-np"]
+# Open MPI's own 1 s between a failed job's SIGTERM and SIGKILL. ringtrain's installed 5 s
+# (time for a rank on a loaded node to name a silent peer) makes mpirun take about 10 s to end
+# any failed job, which launches about what the ranks said before they left need not wait.
+OPEN_MPI_TEARDOWN = ("--mca", "odls_base_sigkill_timeout", "1")
 
 
 def run(cmd: list[str], timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
@@ -32,7 +36,9 @@ def run(cmd: list[str], timeout: float = 300, **kwargs) -> subprocess.CompletedP
 
 def ringtrain(*args: str, ranks: int | None = None, timeout: float = 300):
     cli = [str(BIN / "ringtrain"), *args]
-    return run(cli if ranks is None else [*MPIRUN, str(ranks), *cli], timeout=timeout)
+    return run(
+        cli if ranks is None else [*MPIRUN, str(ranks), *OPEN_MPI_TEARDOWN, *cli], timeout=timeout
+    )
 
 
 def mpi_checks(ranks: int, resume_dir: Path) -> list[dict]:

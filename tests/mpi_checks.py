@@ -30,6 +30,7 @@ from ringtrain.guard import Watchdog
 from ringtrain.models import builtin
 from ringtrain.pipeline.grid import Grid
 from ringtrain.validation import validate
+from ringtrain.weights import by_path
 
 DATA = load_digits()
 # The CLI's defaults (Adam, --lr 0.003) on a global batch that odd M and 2-5 ranks all divide.
@@ -248,8 +249,13 @@ def trained(model, data, cfg: TrainConfig, world: runtime.World, sets: dict):
     if cfg.strategy == "hybrid" and cfg.pp_size > 1:
         dp_groups = Grid(world.size, cfg.pp_size).dp_groups()
         world = replace(world, process_sets=[sets[tuple(g)] for g in dp_groups])
-    if cfg.loop == "fit":
-        return watched(lambda dog: _fitted(model, data, cfg)(world, dog), cfg)
+    if cfg.loop == "fit":  # the model itself is trained: rank 0 reads its weights
+
+        def fitted(dog: Watchdog) -> tuple[dict, dict | None]:
+            metrics, _ = _fitted(model, data, cfg)(world, dog)
+            return metrics, by_path(model.weights) if world.rank == 0 else None
+
+        return watched(fitted, cfg)
     make = engine_for(model, data, cfg, world.size)
 
     def train(dog: Watchdog) -> tuple[dict, dict | None]:

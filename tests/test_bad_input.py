@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import BIN, ENV, ROOT, ringtrain, run
+from conftest import BIN, ENV, OPEN_MPI_TEARDOWN, ROOT, ringtrain, run
 
 from ringtrain.checkpoint import latest
 from ringtrain.errors import (
@@ -43,12 +43,6 @@ def mpirun(*argv: str, ranks: int = 2, timeout: float = 300) -> subprocess.Compl
     """`mpirun -q`: Open MPI keeps its own banner about a failed job to itself, so stderr holds
     exactly what the ranks said."""
     return run(["mpirun", "-q", "--oversubscribe", "-np", str(ranks), *argv], timeout=timeout)
-
-
-# Open MPI's own 1 s between a failed job's SIGTERM and SIGKILL. ringtrain's installed 5 s
-# (time for a rank on a loaded node to name a silent peer) makes mpirun take about 10 s to end
-# any failed job, which these launches, about what the ranks said before they left, need not.
-OPEN_MPI_TEARDOWN = ("--mca", "odls_base_sigkill_timeout", "1")
 
 
 def train_under_mpirun(*args: str, ranks: int = 2, timeout: float = 300):

@@ -19,7 +19,7 @@ from ringtrain.errors import EXIT_USAGE
 
 USER_MODELS = ROOT / "tests" / "user_models.py"
 SEED = 7
-# tall_mlp's 381 MiB of weights on 2 stages: predicted 0.93 GiB per rank, and 1.30 GiB on
+# tall_mlp's 381 MiB of weights on 2 stages: predicted under the limit per rank, and over it on
 # rank 0 when it gathers the whole model
 LIMIT = "1.1G"
 

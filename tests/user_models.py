@@ -166,12 +166,17 @@ def subclassed() -> keras.Model:
 
 
 def tall_mlp(
-    depth: int = 96, width: int = 1024, fine_tuned: bool = False, learning_rate: float = 0.01
+    depth: int = 96,
+    width: int = 1024,
+    fine_tuned: bool = False,
+    learning_rate: float = 0.01,
+    adam: bool = False,
 ) -> keras.Model:
     """Many equal Dense layers (381 MiB of weights by default), so a pipeline stage's share of
     the weights stands out of a rank's memory. `fine_tuned`: the first hidden layer's and the
     output layer's weights (one on each end of the model) are set from values the function
-    makes, as weights loaded from a file would be."""
+    makes, as weights loaded from a file would be. `adam`: Adam instead of SGD, two slots per
+    weight, which one process holds all of and each stage its share."""
     layers = [keras.Input(DIGITS_SHAPE, name="pixels"), keras.layers.Flatten(name="flat")]
     layers += [
         keras.layers.Dense(width, activation="relu", name=f"hidden{i}") for i in range(depth)
@@ -182,7 +187,8 @@ def tall_mlp(
         for name in ("hidden0", "logits"):
             layer = model.get_layer(name)
             layer.set_weights([np.full(tuple(w.shape), 0.01, np.float32) for w in layer.weights])
-    return _classification(model, keras.optimizers.SGD(learning_rate))
+    optimizer = keras.optimizers.Adam if adam else keras.optimizers.SGD
+    return _classification(model, optimizer(learning_rate))
 
 
 def bert_classifier() -> keras.Model:

@@ -19,6 +19,7 @@ accumulation, a non-elementwise optimizer) is refused.
 from __future__ import annotations
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from ringtrain.tensorflow_loader import tf  # before Keras: keeps scikit-learn out of it
 
@@ -381,7 +382,7 @@ class ShardedDataParallelEngine(DataParallelEngine):
         """Rank 0 writes the weights beside its shard, under the whole model's part name."""
         return "model" if rank == 0 else f"optimizer-shard-{rank:05d}"
 
-    def state(self) -> dict[str, np.ndarray]:
+    def state(self) -> dict[str, ArrayLike]:
         weights = weights_state(self.variables) if self.world.rank == 0 else {}
         return weights | self.update.state(self.world.rank)
 

@@ -171,12 +171,12 @@ class PipelineEngine(Checkpointable):
             stage.recomputes = cfg.recompute and not stage.stateful
         self.variables = [v for stage in self.local_stages.values() for v in stage.variables]
         self.state_variables = [v for stage in self.local_stages.values() for v in stage.weights]
-        self.optimizer, self.clip_limit = self.plan.optimizer(cfg)
-        self.optimizer.build(self.variables)
-        # what this rank added by building its part of the model (its stages, their optimizer
-        # state and, on rank 0, the time partition's units timed one at a time)
+        # what this rank added by building its part of the model (its stages and, on rank 0,
+        # the time partition's units timed one at a time), before its optimizer's slots
         before = RESIDENT_BEFORE_MODEL[0]  # 0: the caller built the model (ringtrain.fit)
         self.model_resident = resident_bytes("VmHWM") - before if before else 0
+        self.optimizer, self.clip_limit = self.plan.optimizer(cfg)
+        self.optimizer.build(self.variables)
         self.base_learning_rate = self.plan.base_learning_rate(self.optimizer, cfg)
         self.scorer = self.plan.scorer()
         self._lr = LearningRate(self.optimizer)
