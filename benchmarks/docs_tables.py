@@ -783,6 +783,54 @@ def _plan_findings(workload: dict) -> str:
 
 # Each page's generated block: the results it shows, in order (a name whose JSON is missing is
 # left out), and whether the simulated table of more stages follows them.
+def too_big_table(report: dict) -> str:
+    """The BERT-large-sized encoder on capped nodes: what one process would need by the
+    arithmetic, then each run's verdict, prediction, peaks and, for the pipeline, its speed."""
+    shape, cap = report["shape"], report["cap_bytes"]
+    weights = report.get("weights")
+    lines = [
+        f"The encoder: {shape['layers']} layers, hidden {shape['hidden']}, {shape['heads']} "
+        f"heads, intermediate {shape['intermediate']}, a vocabulary of {report['vocabulary']}; "
+        f"global batch {report['batch']} of sequences of {report['tokens']} tokens, "
+        f"{report['steps']} steps. Each node is capped at {_gib(cap)}; one rank per node.",
+    ]
+    if weights:
+        lines += [
+            "",
+            f"By the arithmetic, one process holds {weights:,} weights: {_gib(4 * weights)} of "
+            f"weights, as much again of gradients and {_gib(8 * weights)} of Adam's two "
+            f"moments, {_gib(16 * weights)} before activations and the baseline.",
+        ]
+    lines += [
+        "",
+        "| run | ranks | exit | the memory check (per rank) | killed by the cap | each rank's "
+        "VmHWM | each node's peak cgroup usage | s/step | loss, first → last |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in report["runs"]:
+        refused = row["exit_code"] != 0 and "error: predicted" in (row["error"] or "")
+        check = "refused" if refused else "not checked" if row["forced"] else "fits"
+        if row["predicted_bytes"]:
+            check += f", predicted {_gib(row['predicted_bytes'])}"
+        losses = row.get("losses")
+        cells = [
+            row["name"],
+            str(row["ranks"]),
+            str(row["exit_code"]),
+            check,
+            "yes" if row["killed_by_cap"] else "no",
+            ", ".join(_gib(b) for b in row["ranks_vmhwm_bytes"]) or "—",
+            ", ".join(_gib(b) for b in row["node_peak_bytes"] if b is not None) or "—",
+            f"{row['step_seconds']:.1f}" if losses else "—",
+            f"{losses[0]:.3f} → {losses[-1]:.3f}" if losses else "—",
+        ]
+        lines.append(f"| {' | '.join(cells)} |")
+    lines += ["", f"Each run once{_mode(report)}, on {machine(report['machine'])}.", ""]
+    checks = report["checks"].items()
+    lines += [f"- {claim}: {'yes' if held else '**no**'}" for claim, held in checks]
+    return "\n".join(lines)
+
+
 PAGE_RESULTS = {
     "allreduce.md": (("allreduce", allreduce_table),),
     "data-parallel.md": (
@@ -796,6 +844,7 @@ PAGE_RESULTS = {
     "pipeline.md": (("pipeline", pipeline_table), ("pipeline-cluster", pipeline_table)),
     "pipeline-sizes.md": (("pipeline-sizes", sizes_table),),
     "sweeps.md": (("sweep", sweep_table),),
+    "too-big.md": (("too-big", too_big_table),),
     "planning.md": (
         ("plan-cluster-2gbit", plan_table),
         ("plan-cluster-200mbit", plan_table),

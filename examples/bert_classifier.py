@@ -14,15 +14,22 @@ import numpy as np
 VOCABULARY, TOKENS = 100, 32
 
 
-def build() -> keras.Model:
+def build(
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 2,
+    intermediate: int = 128,
+    vocabulary: int = VOCABULARY,
+) -> keras.Model:
+    """BERT-large is layers=24, hidden=1024, heads=16, intermediate=4096, vocabulary=30522."""
     import keras_hub
 
     backbone = keras_hub.models.BertBackbone(
-        vocabulary_size=VOCABULARY,
-        num_layers=2,
-        num_heads=2,
-        hidden_dim=64,
-        intermediate_dim=128,
+        vocabulary_size=vocabulary,
+        num_layers=layers,
+        num_heads=heads,
+        hidden_dim=hidden,
+        intermediate_dim=intermediate,
         max_sequence_length=TOKENS,
         dropout=0.0,
     )
@@ -36,11 +43,11 @@ def build() -> keras.Model:
     return model
 
 
-def data(n: int = 4096, seed: int = 0, tokens: int = TOKENS):
+def data(n: int = 4096, seed: int = 0, tokens: int = TOKENS, vocabulary: int = VOCABULARY):
     """(x, y): token ids with every fourth sequence padded after a random length, two
     segments, and label 1 where the mean real token id is above the middle of the range."""
     rng = np.random.default_rng(seed)
-    token_ids = rng.integers(1, VOCABULARY, size=(n, tokens), dtype=np.int32)
+    token_ids = rng.integers(1, vocabulary, size=(n, tokens), dtype=np.int32)
     lengths = np.full(n, tokens)
     lengths[::4] = rng.integers(tokens // 2, tokens, size=len(lengths[::4]))
     padding_mask = (np.arange(tokens) < lengths[:, None]).astype(np.int32)
@@ -51,5 +58,5 @@ def data(n: int = 4096, seed: int = 0, tokens: int = TOKENS):
         "segment_ids": np.broadcast_to(segment_ids, token_ids.shape).copy(),
         "padding_mask": padding_mask,
     }
-    y = (token_ids.sum(axis=1) / lengths > VOCABULARY / 2).astype(np.int32)
+    y = (token_ids.sum(axis=1) / lengths > vocabulary / 2).astype(np.int32)
     return x, y

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+from collections.abc import Collection
 from contextlib import suppress
 from pathlib import Path
 
@@ -54,10 +55,16 @@ def _is_rule(line: str) -> bool:
 
 
 def run_bounded(
-    cmd: list[str], env: dict[str, str], timeout: float, log: Path, quiet: bool = False
-) -> None:
-    """Run to completion within timeout seconds, stderr (and, if quiet, stdout) to log;
-    RunFailed, naming the command and its last words, otherwise."""
+    cmd: list[str],
+    env: dict[str, str],
+    timeout: float,
+    log: Path,
+    quiet: bool = False,
+    expected: Collection[int] = (0,),
+) -> int:
+    """Run to completion within timeout seconds, stderr (and, if quiet, stdout) to log, and
+    return the exit code; RunFailed, naming the command and its last words, where it is not
+    one of `expected` or the command does not finish."""
     name = Path(cmd[0]).name
     with open(log, "w") as err:
         process = start_session(cmd, env, stderr=err, **({"stdout": err} if quiet else {}))
@@ -69,5 +76,6 @@ def run_bounded(
         except BaseException:
             end_session(process)
             raise
-    if code != 0:
+    if code not in expected:
         raise RunFailed(f"{name} exited {code}: {last_words(log)}")
+    return code

@@ -105,6 +105,10 @@ fi
 # back; the activated venv carries the level, and a value the user exports wins.
 activate_line='export TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-3}  # ringtrain'
 grep -qxF "$activate_line" "$VENV/bin/activate" || echo "$activate_line" >>"$VENV/bin/activate"
+# horovodrun gives its tasks 30 s to start by default; a loaded node importing TensorFlow in
+# every rank at once takes longer. The venv sets 120 s (a value the user exports wins).
+activate_line='export HOROVOD_START_TIMEOUT=${HOROVOD_START_TIMEOUT:-120}  # ringtrain'
+grep -qxF "$activate_line" "$VENV/bin/activate" || echo "$activate_line" >>"$VENV/bin/activate"
 # Open MPI's launcher waits minutes on a node that went silent (power loss, partition) unless
 # its out-of-band keepalive is short. The venv carries a parameter file that shortens it, and
 # activate names it (between the user's own file, which still wins, and the system's), so every

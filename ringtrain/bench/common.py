@@ -78,6 +78,11 @@ BENCHES = {
         "a CNN trained from TFRecord files on disk, under a memory cgroup, against memory",
         5,
     ),
+    "too-big": (
+        "ringtrain.bench.too_big",
+        "a BERT-large-sized encoder on 4 memory-capped nodes: refused, killed, or a pipeline",
+        1,
+    ),
     "sweep": (
         "ringtrain.bench.sweep_bench",
         "a sweep's trials packed in groups of 1 rank against data parallel on 2: trials/hour",

@@ -286,14 +286,14 @@ def cgroup_figure(group: Path, v1: str, v2: str) -> int | None:
 # ---- where the ranks run ------------------------------------------------------------------
 
 
-def node_groups(hosts: str) -> tuple[list[Path], int]:
+def node_groups(hosts: str, bench: str = "input") -> tuple[list[Path], int]:
     """The memory cgroups of the rehearsal nodes `hosts` names, and their cap: each rank runs
     under its node's cap, as on a cluster node whose memory its jobs share."""
     spec = control.read_spec()
     if spec.mem_per_node is None:
         raise UserError(
-            "bench input --hosts needs a cluster brought up with --mem-per-node below the "
-            "set's size: the nodes' caps keep the set out of memory"
+            f"bench {bench} --hosts needs a cluster brought up with --mem-per-node: the nodes' "
+            "caps are what it measures against"
         )
     groups = {node.name: node.memory_group for node in spec.layout().nodes}
     names = hosts.split(",")

@@ -50,14 +50,17 @@ def mpirun_command(
     ]
 
 
-def host_flags(hosts: str | None) -> list[str]:
-    """mpirun flags placing the two ranks on two hosts (`--hosts a,b`), unbound: a rehearsal
-    node's cores are its own."""
+def host_flags(hosts: str | None, count: int = 2) -> list[str]:
+    """mpirun flags placing a rank on each of `count` hosts (`--hosts a,b`), unbound: a
+    rehearsal node's cores are its own."""
     if not hosts:
         return []
     names = hosts.split(",")
-    if len(names) != 2 or not all(names):
-        raise argparse.ArgumentTypeError(f"--hosts wants two hosts like a,b, got {hosts!r}")
+    if len(names) != count or not all(names):
+        example = ",".join("abcdefgh"[:count])
+        raise argparse.ArgumentTypeError(
+            f"--hosts wants {count} hosts like {example}, got {hosts!r}"
+        )
     return ["--bind-to", "none", "-H", ",".join(f"{h}:1" for h in names)]
 
 
