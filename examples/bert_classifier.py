@@ -20,8 +20,11 @@ def build(
     heads: int = 2,
     intermediate: int = 128,
     vocabulary: int = VOCABULARY,
+    learning_rate: float = 1e-3,
 ) -> keras.Model:
-    """BERT-large is layers=24, hidden=1024, heads=16, intermediate=4096, vocabulary=30522."""
+    """BERT-large is layers=24, hidden=1024, heads=16, intermediate=4096, vocabulary=30522;
+    at that depth, Adam at 1e-3 from random weights diverges, as BERT's own recipes (1e-4 in
+    pre-training, less in fine-tuning) avoid."""
     import keras_hub
 
     backbone = keras_hub.models.BertBackbone(
@@ -36,7 +39,7 @@ def build(
     logits = keras.layers.Dense(2, name="head")(backbone.output["pooled_output"])
     model = keras.Model(backbone.input, logits, name="bert_classifier")
     model.compile(
-        optimizer=keras.optimizers.Adam(1e-3),
+        optimizer=keras.optimizers.Adam(learning_rate),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
     )

@@ -61,6 +61,9 @@ def quick_bench(name: str, tmp_path: Path) -> dict:
     return report
 
 
+QUICK = [0, 1]  # a quick run's rounds, where its launches allow two (bench/common.quick_rounds)
+
+
 SETTINGS = {
     "HOROVOD_CYCLE_TIME",
     "HOROVOD_FUSION_THRESHOLD",
@@ -99,11 +102,11 @@ def test_bench_pipeline_quick(tmp_path):
         "zb-h1 M=8",
     }
     assert set(rounds_per_contender(rows)) == expected
-    assert all(r == [0, 1, 2] for r in rounds_per_contender(rows).values())
+    assert all(r == QUICK for r in rounds_per_contender(rows).values())
     assert all(r["samples_per_sec"] > 0 for r in rows)
     for e in report["summary"]:
         assert e["samples_per_sec_min"] <= e["samples_per_sec_median"] <= e["samples_per_sec_max"]
-        assert len(e["speedup_vs_single_per_round"]) == 3
+        assert len(e["speedup_vs_single_per_round"]) == len(QUICK)
     pipes = {e["contender"]: e for e in report["summary"] if "bubble_gap" in e}
     assert set(pipes) == expected - singles
     limit = report["one_f_one_b_limit"]
@@ -147,19 +150,19 @@ def test_bench_strategies_quick(tmp_path):
     report = quick_bench("strategies", tmp_path)
     measured = rounds_per_contender(report["raw"])
     failures = report["failures"]
-    # Every contender has three rounds of numbers; only the parameter servers may instead
+    # Every contender has every round's numbers; only the parameter servers may instead
     # have a recorded reason (they may not run on every TensorFlow).
     for name in STRATEGIES:
         if name == PS and name in failures:
             assert failures[name].strip()
             continue
-        assert measured.get(name) == [0, 1, 2], (name, failures)
+        assert measured.get(name) == QUICK, (name, failures)
     assert set(failures) <= {PS}
     for r in report["raw"]:
         assert r["samples_per_sec"] > 0 and r["steps"] == report["steps_per_measurement"]
         assert r["others_cpu_seconds"] >= 0
     ratios = report["ratios"]
-    assert len(ratios["data custom efficiency"]["per_round"]) == 3
+    assert len(ratios["data custom efficiency"]["per_round"]) == len(QUICK)
     assert "data custom / TF MultiWorkerMirrored stock" in ratios
     assert "data custom / TF MultiWorkerMirrored tuned" in ratios
     assert "data custom / TF Mirrored" in ratios
@@ -204,17 +207,17 @@ def test_bench_pipeline_sizes_quick(tmp_path):
         for name in ("single 1 thread", "1f1b M=8", "1f1b M=8 recompute")
     }
     assert set(rounds_per_contender(rows)) == expected
-    assert all(r == [0, 1, 2] for r in rounds_per_contender(rows).values())
+    assert all(r == QUICK for r in rounds_per_contender(rows).values())
     assert all(r["samples_per_sec"] > 0 for r in rows)
     by_name = {e["name"]: e for e in report["summary"]}
-    assert by_name["single 1 thread"]["vs_single_per_round"] == [1.0, 1.0, 1.0]
+    assert by_name["single 1 thread"]["vs_single_per_round"] == [1.0] * len(QUICK)
     for name in ("1f1b M=8", "1f1b M=8 recompute"):
         assert 0 <= by_name[name]["bubble_measured_median"] < 1
         assert by_name[name]["fixed_ms_per_microbatch_median"] > 0
         assert by_name[name]["call_floor_ms_median"] > 0
         profile = by_name[name]["fixed_ms_per_action_median"]  # action by action, per stage
         assert set(profile) == {"0", "1"} and profile["0"]["F"] > 0 and profile["1"]["B"] > 0
-        assert len(by_name[name]["vs_single_per_round"]) == 3
+        assert len(by_name[name]["vs_single_per_round"]) == len(QUICK)
 
 
 @pytest.mark.mpi
@@ -230,9 +233,9 @@ def test_bench_zoo_quick(tmp_path):
         "ResNet50 data",
         "ResNet50 pipeline interleaved 4 stages M=4",
     ]
-    assert rounds_per_contender(report["raw"]) == {name: [0, 1, 2] for name in contenders}
+    assert rounds_per_contender(report["raw"]) == {name: QUICK for name in contenders}
     assert all(r["samples_per_sec"] > 0 for r in report["raw"])
-    assert [len(r["per_round"]) for r in report["ratios"].values()] == [3, 3, 3]
+    assert [len(r["per_round"]) for r in report["ratios"].values()] == [len(QUICK)] * 3
     target = report["targets"]["your_keras_model_at_least_0.95_of_builtin"]
     assert target["met"] == (target["value"] >= 0.95)
     distances = report["weight_distance"]
@@ -288,10 +291,11 @@ def test_bench_allreduce_quick(tmp_path):
         }
         # memcpy copies twice the last-level cache, or is dropped where that size is unknown
         assert copies == ({2 * run_["last_level_cache_bytes"]} if copies else set())
-        assert all(rounds == [0, 1, 2] for rounds in cells.values())
+        assert all(rounds == QUICK for rounds in cells.values())
         # The self-check ran: every collective, size, round and rank, and all sums were right.
         check = run_["self_check"]
-        assert check["checked"] == len(contenders) * len(report["sizes"]) * 3 * run_["ranks"]
+        cells_per_rank = len(contenders) * len(report["sizes"]) * len(QUICK)
+        assert check["checked"] == cells_per_rank * run_["ranks"]
         assert check["failures"] == []
         assert len(run_["cpus_allowed_list"]) == run_["ranks"]
         assert_pinning_recorded(report, run_["cpus_allowed_list"])
@@ -301,7 +305,7 @@ def test_bench_allreduce_quick(tmp_path):
         if e["contender"] != "memcpy":
             assert e["reference"] in ("mpi4py Allreduce", "mpi4py Allreduce IN_PLACE")
             assert e["busbw_GBps_min"] <= e["busbw_GBps_median"] <= e["busbw_GBps_max"]
-            assert len(e["vs_allreduce_per_round"]) == 3
+            assert len(e["vs_allreduce_per_round"]) == len(QUICK)
     assert max(report["sizes"]) >= 4 * 2**20  # the targets' sizes are measured
     assert all(isinstance(t["met"], bool) for t in report["targets"].values())
 

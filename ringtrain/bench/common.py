@@ -129,9 +129,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def quick_rounds(bench) -> int:
-    """A quick run's rounds: 3, or fewer where a bench's every launch starts TensorFlow in
-    several processes and 3 rounds would not fit a test's minute."""
-    return getattr(bench, "QUICK_ROUNDS", 3)
+    """A quick run's rounds: 2, enough to prove the alternation and the per-round ratios (a
+    smoke test measures nothing), or 1 where a bench's every launch starts TensorFlow in
+    several processes and 2 rounds would not fit a test's minute."""
+    return getattr(bench, "QUICK_ROUNDS", 2)
 
 
 def _default_outputs(args: argparse.Namespace) -> None:

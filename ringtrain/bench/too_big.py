@@ -30,8 +30,14 @@ from ringtrain.launch.mpirun import host_flags, mpi_env, mpirun_command
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "bert_classifier.py"
 SHAPES = {  # mode -> the encoder's model args, and the examples it sees
-    "full": ({"layers": 24, "hidden": 1024, "heads": 16, "intermediate": 4096}, 32),
-    "quick": ({"layers": 4, "hidden": 256, "heads": 4, "intermediate": 1024}, 32),
+    "full": (
+        {"layers": 24, "hidden": 1024, "heads": 16, "intermediate": 4096, "learning_rate": 1e-4},
+        32,
+    ),
+    "quick": (
+        {"layers": 4, "hidden": 256, "heads": 4, "intermediate": 1024, "learning_rate": 1e-4},
+        32,
+    ),
 }
 VOCABULARY = 30522
 TOKENS = 32  # examples/bert_classifier.py's sequence length
