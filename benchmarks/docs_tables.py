@@ -804,8 +804,9 @@ def too_big_table(report: dict) -> str:
     lines += [
         "",
         "| run | ranks | exit | the memory check (per rank) | killed by the cap | each rank's "
-        "VmHWM | each node's peak cgroup usage | s/step | loss, first → last |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "VmHWM | each rank's anonymous peak (sampled) | each node's peak cgroup usage | s/step "
+        "| loss, first → last |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in report["runs"]:
         refused = row["exit_code"] != 0 and "error: predicted" in (row["error"] or "")
@@ -820,6 +821,7 @@ def too_big_table(report: dict) -> str:
             check,
             "yes" if row["killed_by_cap"] else "no",
             ", ".join(_gib(b) for b in row["ranks_vmhwm_bytes"]) or "—",
+            ", ".join(_gib(b) for b in row["ranks_anonymous_peak_bytes"]) or "—",
             ", ".join(_gib(b) for b in row["node_peak_bytes"] if b is not None) or "—",
             f"{row['step_seconds']:.1f}" if losses else "—",
             f"{losses[0]:.3f} → {losses[-1]:.3f}" if losses else "—",

@@ -228,11 +228,14 @@ def is_rank(pid: int) -> bool:
 
 class RankSampler:
     """The ranks in some cgroups, sampled on a thread while they run: each one's VmHWM and the
-    bytes it read from storage, as last seen (both only grow)."""
+    bytes it read from storage, as last seen (both only grow), and the most anonymous memory
+    (RssAnon) a sample saw: what a memory cgroup kills for, which VmHWM overstates by the
+    shared libraries' pages. A peak between samples is missed, so it is a lower bound."""
 
     def __init__(self, groups: list[Path]):
         self.groups = groups
         self.seen: dict[int, tuple[int, int]] = {}  # pid -> (VmHWM, read_bytes)
+        self.anonymous: dict[int, int] = {}  # pid -> the highest RssAnon sampled
         # A rank's parent under a memory cap (memory_kill) has its command line, and is seen
         # alone before it forks: not a rank, once it is known to be a parent.
         self.supervisors: set[int | None] = set()
@@ -262,12 +265,19 @@ class RankSampler:
                 read = proc_field(pid, "io", "read_bytes")
                 if high is not None and read is not None:
                     self.seen[pid] = (high, read)
+                anonymous = proc_field(pid, "status", "RssAnon")
+                if anonymous is not None:
+                    self.anonymous[pid] = max(anonymous, self.anonymous.get(pid, 0))
 
     def ranks(self) -> list[tuple[int, int]]:
         return [seen for pid, seen in self.seen.items() if pid not in self.supervisors]
 
     def ranks_vmhwm(self) -> list[int]:
         return [high for high, _ in self.ranks()]
+
+    def ranks_anonymous_peak(self) -> list[int]:
+        """In the order of ranks_vmhwm."""
+        return [self.anonymous.get(pid, 0) for pid in self.seen if pid not in self.supervisors]
 
     def read_bytes(self) -> int:
         return sum(read for _, read in self.ranks())
