@@ -811,7 +811,9 @@ def too_big_table(report: dict) -> str:
     for row in report["runs"]:
         refused = row["exit_code"] != 0 and "error: predicted" in (row["error"] or "")
         check = "refused" if refused else "not checked" if row["forced"] else "fits"
-        if row["predicted_bytes"]:
+        if row["predicted_per_rank_bytes"]:
+            check += ", predicted " + ", ".join(_gib(b) for b in row["predicted_per_rank_bytes"])
+        elif row["predicted_bytes"]:
             check += f", predicted {_gib(row['predicted_bytes'])}"
         losses = row.get("losses")
         cells = [

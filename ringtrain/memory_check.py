@@ -115,12 +115,15 @@ def check_memory(
     if limit is None:
         return
     facts = model_facts(model, data, cfg.batch_size)
-    need = rank_peak(facts, cfg, me.world_size, gathers)
+    peaks = rank_peaks(facts, cfg, me.world_size, gathers)
+    need = _fullest(peaks)
     total = sum(need.values())
     if total <= limit.bytes:
         if me.rank == 0:
+            each = ", ".join(_gib(sum(r.values())) for r in peaks)
+            by_rank = f" (by pipeline rank: {each})" if len(peaks) > 1 else ""
             log.info(
-                f"memory: predicted {_gib(total)} per rank, within its limit of "
+                f"memory: predicted {_gib(total)} per rank{by_rank}, within its limit of "
                 f"{_gib(limit.bytes)} ({limit.source})"
             )
         return
@@ -163,9 +166,21 @@ def agreed_limit(cfg: TrainConfig, me: RankInfo) -> Limit | None:
 def rank_peak(
     facts: ModelFacts, cfg: TrainConfig, world_size: int, gathers: bool = True
 ) -> dict[str, int]:
-    """The fullest rank's predicted peak in bytes, by what holds it: the model's consumers
-    (costmodel's arithmetic), what the run adds around them, its input buffers, the baseline.
-    `gathers`: whether rank 0 copies the whole model's weights out at the end."""
+    """The fullest rank's predicted peak in bytes, by what holds it (see rank_peaks)."""
+    return _fullest(rank_peaks(facts, cfg, world_size, gathers))
+
+
+def _fullest(peaks: list[dict[str, int]]) -> dict[str, int]:
+    return max(peaks, key=lambda r: sum(r.values()))
+
+
+def rank_peaks(
+    facts: ModelFacts, cfg: TrainConfig, world_size: int, gathers: bool = True
+) -> list[dict[str, int]]:
+    """Each pipeline rank's predicted peak in bytes (one for all where every rank is alike), by
+    what holds it: the model's consumers (costmodel's arithmetic), what the run adds around
+    them, its input buffers, the baseline. `gathers`: whether rank 0 copies the whole model's
+    weights out at the end."""
     fixed = {"input buffers": facts.input_bytes, "baseline": BASELINE_BYTES}
     if not runs_stages(cfg):  # every rank alike
         share = math.ceil(cfg.batch_size / world_size / cfg.accumulate)
@@ -174,7 +189,7 @@ def rank_peak(
             facts.weights, facts.trainable, facts.slots, facts.activations * share, shards
         )
         around = _around(facts, facts.trainable, facts.largest, world_size, gathers)
-        return {**model, **around, **fixed}
+        return [{**model, **around, **fixed}]
     pp_size = pp_size_of(cfg, world_size)
     dp_size = world_size // pp_size
     schedule = pipeline_schedule(cfg, pp_size)
@@ -200,8 +215,8 @@ def rank_peak(
         largest = max((u.largest for u in mine), default=0.0)
         at_end = gathers and rank == 0
         around = _around(facts, trainable, largest, dp_size, at_end, stages=True)
-        ranks.append({**summed, **around})
-    return {**max(ranks, key=lambda r: sum(r.values())), **fixed}
+        ranks.append({**summed, **around, **fixed})
+    return ranks
 
 
 def _around(

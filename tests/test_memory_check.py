@@ -16,7 +16,14 @@ from test_plan import _calibration_file
 
 from ringtrain.config import TrainConfig
 from ringtrain.errors import EXIT_USAGE
-from ringtrain.memory_check import BASELINE_BYTES, ModelFacts, Unit, fitting, rank_peak
+from ringtrain.memory_check import (
+    BASELINE_BYTES,
+    ModelFacts,
+    Unit,
+    fitting,
+    rank_peak,
+    rank_peaks,
+)
 from ringtrain.memory_limit import Limit, cgroup_limit, memory_group, rank_limit, slurm_limit
 from ringtrain.plan.costmodel import model_bytes
 
@@ -153,6 +160,10 @@ def test_a_pipeline_stage_holds_its_share_and_its_microbatches_in_flight():
     assert need["step temporaries"] == (1 + 2 / 2) * 4e6 + 2 * 4e6
     recomputed = rank_peak(FACTS, TrainConfig(**{**cfg.__dict__, "recompute": True}), 2)
     assert recomputed["activations in flight"] == 1.5 * (10 * 2 + 100) * 4 * 16
+    # each pipeline rank is predicted (what a run that fits lists), the fullest is checked
+    first, last = rank_peaks(FACTS, cfg, 2)
+    assert first == need and last["weights gathered at the end"] == 0
+    assert last["activations in flight"] == 1.5 * 110 * 4 * 16  # one microbatch in flight
 
 
 def test_what_fits_is_named_from_the_same_arithmetic():

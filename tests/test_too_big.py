@@ -8,7 +8,14 @@ import importlib.util
 
 from conftest import ROOT
 
-from ringtrain.bench.too_big import BATCH, TOKENS, checks, encoder_weights
+from ringtrain.bench.too_big import (
+    BATCH,
+    TOKENS,
+    _predicted,
+    _predicted_by_rank,
+    checks,
+    encoder_weights,
+)
 
 
 def test_the_encoder_s_weight_count_is_keras_s_count_of_the_example():
@@ -45,3 +52,14 @@ def test_each_claim_is_read_from_what_ran():
     assert not held["single and data killed by the caps when forced"]
     assert not held["its loss falls"]
     assert held["single and data refused by the memory check"] and held["the pipeline trains"]
+
+
+def test_the_predictions_are_read_from_what_rank_0_said():
+    fits = (
+        "memory: predicted 2.30 GiB per rank (by pipeline rank: 2.30 GiB, 2.24 GiB, 2.24 GiB, "
+        "1.98 GiB), within its limit of 3.00 GiB (cgroup)"
+    )
+    assert _predicted(fits) == 2.30 * 2**30
+    assert _predicted_by_rank(fits) == [g * 2**30 for g in (2.30, 2.24, 2.24, 1.98)]
+    refused = "error: predicted 732.9 MiB per rank (largest: optimizer state 198.1 MiB) but"
+    assert _predicted(refused) == 732.9 * 2**20 and _predicted_by_rank(refused) == []

@@ -49,6 +49,7 @@ NODES = 4
 BATCH, MICROBATCHES, STEPS, QUICK_STEPS = 8, 4, 20, 4
 LAUNCH_SECONDS = 1800.0  # the pipeline's 20 steps of a 335M-weight encoder on 2 shared cores
 KILLED = "was killed by the node's memory limit"
+UNITS = {"GiB": 2**30, "MiB": 2**20}  # as the memory check writes its figures
 QUICK_ROUNDS = 1
 DATA_SOURCE = """
 import sys
@@ -139,6 +140,7 @@ def measure(args: argparse.Namespace) -> dict:
                 "exit_code": code,
                 "seconds": time.perf_counter() - started,
                 "predicted_bytes": _predicted(said),
+                "predicted_per_rank_bytes": _predicted_by_rank(said),
                 "error": _error(said),
                 "killed_by_cap": KILLED in said,
                 "ranks_vmhwm_bytes": sampler.ranks_vmhwm(),
@@ -187,7 +189,16 @@ def _predicted(text: str) -> float | None:
     found = re.search(r"predicted ([\d.]+) (GiB|MiB) per rank", text)
     if not found:
         return None
-    return float(found[1]) * (2**30 if found[2] == "GiB" else 2**20)
+    return float(found[1]) * UNITS[found[2]]
+
+
+def _predicted_by_rank(text: str) -> list[float]:
+    """Each pipeline rank's predicted peak, in bytes, where rank 0 listed them (a run that fits
+    as stages); else none."""
+    found = re.search(r"\(by pipeline rank: ([^)]*)\)", text)
+    if not found:
+        return []
+    return [float(v) * UNITS[u] for v, u in re.findall(r"([\d.]+) (GiB|MiB)", found[1])]
 
 
 def _error(text: str) -> str | None:
@@ -226,6 +237,9 @@ def describe(report: dict) -> list[str]:
         line = f"{row['name']:>24}: exit {row['exit_code']}"
         if predicted:
             line += f", predicted {predicted / gib:.2f} GiB per rank"
+        if row["predicted_per_rank_bytes"]:
+            each = " ".join(f"{b / gib:.2f}" for b in row["predicted_per_rank_bytes"])
+            line += f" ({each} by rank)"
         if row["killed_by_cap"]:
             line += ", killed by the cap"
         if row["ranks_vmhwm_bytes"]:
@@ -256,11 +270,14 @@ def draw(report: dict, path: str) -> None:
     anonymous = [b / gib for b in piped["ranks_anonymous_peak_bytes"]]
     left.bar(range(len(peaks)), peaks, label="VmHWM", color="C0")
     left.bar(range(len(anonymous)), anonymous, width=0.5, label="anonymous (sampled)", color="C2")
-    if piped["predicted_bytes"]:
-        left.axhline(piped["predicted_bytes"] / gib, color="C1", ls="--", label="predicted")
+    predicted = [b / gib for b in piped["predicted_per_rank_bytes"]]
+    left.scatter(
+        range(len(predicted)), predicted, color="C1", marker="_", s=900, zorder=3, label="predicted"
+    )
     left.axhline(report["cap_bytes"] / gib, color="red", label="node's cap")
     left.set(xlabel="stage rank", ylabel="GiB", title="a 4-stage pipeline's ranks")
-    left.legend(fontsize=8)
+    left.set_ylim(0, 1.25 * report["cap_bytes"] / gib)  # room above the cap for the legend
+    left.legend(fontsize=8, loc="upper center", ncol=2)
     right.plot(range(1, len(piped.get("losses", [])) + 1), piped.get("losses", []), marker="o")
     right.set(xlabel="step", ylabel="loss", title="its training loss")
     for axis in (left.xaxis, right.xaxis):
