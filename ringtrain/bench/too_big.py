@@ -95,7 +95,7 @@ RUNS = [
 
 
 def measure(args: argparse.Namespace) -> dict:
-    shape, examples = SHAPES["quick" if args.quick else "full"], BATCH
+    shape = SHAPES["quick" if args.quick else "full"]
     steps = QUICK_STEPS if args.quick else STEPS
     hosts = args.hosts.split(",")
     groups, cap = node_groups(args.hosts, "too-big")
@@ -105,9 +105,7 @@ def measure(args: argparse.Namespace) -> dict:
         work = Path(tmp)
         source = work / "tokens.py"
         folder = str(EXAMPLE.parent)
-        source.write_text(
-            DATA_SOURCE.format(folder=folder, examples=examples, vocabulary=VOCABULARY)
-        )
+        source.write_text(DATA_SOURCE.format(folder=folder, examples=BATCH, vocabulary=VOCABULARY))
         model = ["--model", f"{EXAMPLE}:build", "--model-arg", f"vocabulary={VOCABULARY}"]
         for key, value in shape.items():
             model += ["--model-arg", f"{key}={value}"]
@@ -161,7 +159,7 @@ def measure(args: argparse.Namespace) -> dict:
         "vocabulary": VOCABULARY,
         "tokens": TOKENS,
         "weights": encoder_weights(shape, VOCABULARY, TOKENS),
-        "examples": examples,
+        "examples": BATCH,
         "batch": BATCH,
         "microbatches": MICROBATCHES,
         "steps": steps,
