@@ -304,8 +304,8 @@ SHARD_PREFIX = "shard/"
 
 
 def shard_key(kind: int) -> str:
-    """One kind of slot (Adam's first moments, its second...) over a rank's slice of the
-    weights laid end to end."""
+    """One kind of slot (Adam's first moments, its second...) of a rank's own run of
+    variables, laid end to end."""
     return f"{SHARD_PREFIX}{kind:02d}"
 
 

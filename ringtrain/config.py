@@ -229,7 +229,7 @@ class TrainConfig:
         metadata=flag(
             "allreduce gradients in buckets of this many MiB as the backward makes them "
             "(default: one fused allreduce after the backward); with --shard-optimizer, the "
-            "reduce-scatter's and allgather's chunks (default 16)",
+            "reduce-scatter's and allgather's chunks (default 4)",
             bound=positive,
         ),
     )

@@ -127,8 +127,8 @@ def test_the_shared_arithmetic_counts_each_consumer_and_shards_optimizer_state()
         "optimizer state": 400,
         "activations in flight": 120,
     }
-    # a quarter of the 2 slots, and a quarter of the weights: the slice the shard updates
-    assert model_bytes(100, 50, 2, 30, shards=4)["optimizer state"] == 150
+    # a quarter of the 2 slots: the variables the rank updates
+    assert model_bytes(100, 50, 2, 30, shards=4)["optimizer state"] == 100
 
 
 def test_one_process_holds_the_whole_model_and_its_batch():
@@ -147,7 +147,7 @@ def test_replicas_average_and_may_shard_the_optimizer_state():
     # Horovod's outputs and the averaged step's (2.5 copies, as measured) and fusion buffer
     assert plain["gradient averaging"] == 2.5 * 8e6 + 64 * MIB
     sharded = rank_peak(FACTS, TrainConfig(strategy="data", shard_optimizer=True), 2)
-    assert sharded["optimizer state"] == plain["optimizer state"] * 3 / 4  # half of 2 + 1 slices
+    assert sharded["optimizer state"] == plain["optimizer state"] / 2
 
 
 def test_a_pipeline_stage_holds_its_share_and_its_microbatches_in_flight():

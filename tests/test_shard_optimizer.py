@@ -6,6 +6,7 @@ one replica changes nothing; what it cannot do exactly is refused in one line.""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 
 import numpy as np
@@ -62,27 +63,33 @@ def train(*args: str, ranks: int | None = None):
 
 
 @pytest.mark.mpi
-def test_a_sharded_checkpoint_resumes_on_one_rank_without_the_flag(tmp_path):
-    """Two sharded ranks stop after step 2, each writing its shard of Adam's moments (kept in
-    chunks, written whole); one rank
-    without --shard-optimizer resumes from them (the shards laid out as one optimizer's) and
-    ends within the bound of an unbroken run, per tensor."""
-    whole, resumed, start = tmp_path / "whole.npz", tmp_path / "resumed.npz", tmp_path / "start.npz"
+def test_a_sharded_checkpoint_from_four_ranks_resumes_on_two_and_on_one_without_the_flag(
+    tmp_path,
+):
+    """Four sharded ranks stop after step 2, each writing its shard of Adam's moments (kept in
+    chunks, written whole); two sharded ranks resume from them, and so does one rank without
+    --shard-optimizer (the shards laid out as one optimizer's): each ends within the bound of
+    an unbroken run, per tensor."""
+    whole, start = tmp_path / "whole.npz", tmp_path / "start.npz"
     done = train("--weights-out", str(whole), "--initial-weights-out", str(start))
     assert done.returncode == 0, done.stderr[-2000:]
     ckpt = tmp_path / "ckpt"
-    flags = ["--checkpoint-dir", str(ckpt)]
     chunked = ["--shard-optimizer", "--bucket-mb", "0.05"]  # each slot in several variables
-    stopped = train(*chunked, *flags, "--stop-after", "2", ranks=2)
+    stopped = train(*chunked, "--checkpoint-dir", str(ckpt), "--stop-after", "2", ranks=4)
     assert stopped.returncode == EXIT_CHECKPOINTED, stopped.stderr[-2000:]
     manifest = json.loads((ckpt / "step-00000002" / "manifest.json").read_text())
-    assert sorted(manifest["parts"]) == ["model", "optimizer-shard-00001"]
-    assert manifest["optimizer_shards"]["parts"] == ["model", "optimizer-shard-00001"]
-    done = train(*flags, "--resume", "--weights-out", str(resumed))
-    assert done.returncode == 0 and "resumed from" in done.stdout, done.stderr[-2000:]
-    update = compare_weight_files(resumed, whole, start)
-    print(update)
-    assert update.passed, update
+    parts = ["model", *(f"optimizer-shard-{r:05d}" for r in (1, 2, 3))]
+    assert sorted(manifest["parts"]) == parts and manifest["optimizer_shards"]["parts"] == parts
+    for ranks, flags in ((2, chunked), (None, [])):
+        copy = tmp_path / f"ckpt-{ranks}"
+        shutil.copytree(ckpt, copy)
+        resumed = tmp_path / f"resumed-{ranks}.npz"
+        args = [*flags, "--checkpoint-dir", str(copy), "--resume", "--weights-out", str(resumed)]
+        done = train(*args, ranks=ranks)
+        assert done.returncode == 0 and "resumed from" in done.stdout, done.stderr[-2000:]
+        update = compare_weight_files(resumed, whole, start)
+        print(ranks or 1, "rank(s):", update)
+        assert update.passed, update
 
 
 def test_one_replica_with_the_flag_trains_bit_for_bit_as_without_it():
@@ -150,37 +157,59 @@ def test_what_a_slice_cannot_compute_as_keras_does_is_refused():
 @pytest.mark.parametrize(
     "name", ["SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "Nadam", "Lion"]
 )
-def test_each_elementwise_optimizer_updates_a_flat_slice_as_it_updates_the_variables(name):
-    """The premise, per optimizer --shard-optimizer takes: its clone over the variables laid end
-    to end makes the same updates, and each of its slots, cut where OptimizerLayout says, is
-    the slot the optimizer keeps for that variable."""
+def test_each_optimizer_updates_a_run_of_the_variables_as_it_updates_them_all(name):
+    """The premise, per optimizer --shard-optimizer takes: its clone over a rank's run of the
+    variables makes the updates it makes to them among all of them, and each of the clone's
+    slots is the one OptimizerLayout places in the whole optimizer (a checkpoint's layout)."""
     import keras
 
     from ringtrain.dataparallel.sharded import ELEMENTWISE, OptimizerLayout, clone_optimizer
 
     assert name in {kind.__name__ for kind in ELEMENTWISE}
     rng = np.random.default_rng(0)
-    shapes, sizes = [(3, 4), (5,), (2, 1, 2)], [12, 5, 4]
+    shapes = [(3, 4), (5,), (2, 1, 2)]
     start = [rng.normal(size=shape).astype(np.float32) for shape in shapes]
     compiled = getattr(keras.optimizers, name)(learning_rate=0.01)
-    flat = keras.Variable(np.concatenate([x.ravel() for x in start]))
-    flat_optimizer = clone_optimizer(compiled)
-    layout = OptimizerLayout(compiled, len(shapes))
     variables = [keras.Variable(x) for x in start]
+    run = [keras.Variable(x) for x in start[1:]]  # a second rank's run
+    clone = clone_optimizer(compiled)
     for _ in range(3):
         grads = [rng.normal(size=shape).astype(np.float32) for shape in shapes]
         compiled.apply_gradients(zip(grads, variables, strict=True))
-        flat_optimizer.apply_gradients([(np.concatenate([g.ravel() for g in grads]), flat)])
-    laid = np.concatenate([v.numpy().ravel() for v in variables])
-    np.testing.assert_allclose(flat.numpy(), laid, rtol=1e-6, atol=1e-7)
-    slots = [v for v in flat_optimizer.variables if len(v.shape) == 1]
-    offsets = np.cumsum([0, *sizes])
-    for position, where in enumerate(layout.positions):
-        kept = compiled.variables[position].numpy()
+        clone.apply_gradients(zip(grads[1:], run, strict=True))
+    for mine, whole in zip(run, variables[1:], strict=True):
+        np.testing.assert_allclose(mine.numpy(), whole.numpy(), rtol=1e-6, atol=1e-7)
+    whole_layout, run_layout = OptimizerLayout(compiled, 3), OptimizerLayout(clone, 2)
+    placed = {where[1:]: p for p, where in enumerate(whole_layout.positions) if where[0] == "slot"}
+    for position, where in enumerate(run_layout.positions):
         if where[0] == "slot":
             _, kind, i = where
-            cut = slots[kind].numpy()[offsets[i] : offsets[i + 1]].reshape(kept.shape)
-            np.testing.assert_allclose(cut, kept, rtol=1e-6, atol=1e-7)
+            kept = compiled.variables[placed[(kind, i + 1)]].numpy()
+            np.testing.assert_allclose(clone.variables[position].numpy(), kept, rtol=1e-6)
+
+
+def test_ranks_own_runs_of_whole_variables_of_about_equal_size():
+    """Every variable is one rank's, in the model's order; every rank has one while there are
+    enough; a collective's share of every slice is padded to the longest."""
+    from ringtrain.dataparallel.sharded import FlatLayout
+
+    layout = FlatLayout([(64, 128), (128,), (128, 128), (128,), (128, 64), (64,), (64, 10)], 2)
+    assert [list(layout.owned(r)) for r in range(2)] == [[0, 1, 2], [3, 4, 5, 6]]
+    assert layout.shard == 8192 + 128 + 128 * 128
+    seen = []
+    for r in range(2):
+        for lo, hi in layout.chunks(3000):
+            pieces = layout.pieces(r, lo, hi)
+            assert sum(b - a for _, a, b in pieces) + layout.padding(r, lo, hi) == hi - lo
+            seen += [(i, a, b) for i, a, b in pieces]
+    for i, size in enumerate(layout.sizes):
+        mine = sorted((a, b) for j, a, b in seen if j == i)
+        assert mine[0][0] == 0 and mine[-1][1] == size
+        assert all(b == a2 for (_, b), (a2, _) in zip(mine, mine[1:], strict=False))
+    many = FlatLayout([(1000,), (1,), (1,), (1,)], 4)
+    assert [len(many.owned(r)) for r in range(4)] == [1, 1, 1, 1]
+    few = FlatLayout([(10,), (10,)], 3)
+    assert sorted(len(few.owned(r)) for r in range(3)) == [0, 1, 1]
 
 
 EMBEDDED = """
@@ -212,3 +241,47 @@ def test_an_embeddings_sparse_gradient_is_refused_in_one_line_on_two_ranks(tmp_p
         "--model", f"{model}:build", "--data", f"{model}:data", "--steps", "1", "--shard-optimizer"
     )
     said_once(done, EXIT_USAGE, "embed/embeddings gets sparse ones")
+
+
+WIDE = """
+import keras
+import numpy as np
+
+WIDTH, LAYERS = 2048, 8  # 8 kernels of 16 MiB: Adam's slots are 256 MiB
+
+
+def build():
+    model = keras.Sequential(
+        [keras.Input((WIDTH,))]
+        + [keras.layers.Dense(WIDTH, activation="relu") for _ in range(LAYERS)]
+        + [keras.layers.Dense(10)]
+    )
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model.compile(optimizer=keras.optimizers.Adam(1e-4), loss=loss)
+    return model
+
+
+def data():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(64, WIDTH)).astype(np.float32), rng.integers(0, 10, 64)
+"""
+
+
+@pytest.mark.mpi
+def test_two_replicas_each_save_most_of_half_of_adams_slots(tmp_path):
+    """Adam's slots for 33.6M weights (256 MiB) on 2 ranks: with --shard-optimizer the fullest
+    rank's VmHWM is lower by at least 80% of the half of them it no longer keeps."""
+    model = tmp_path / "wide.py"
+    model.write_text(WIDE)
+    peaks = {}
+    for flags in ([], ["--shard-optimizer"]):
+        metrics = tmp_path / f"metrics{len(flags)}.json"
+        cmd = [str(BIN / "ringtrain"), "train", "--model", f"{model}:build", "--strategy", "data"]
+        cmd += ["--data", f"{model}:data", "--batch-size", "8", "--steps", "3"]
+        done = run([*MPIRUN, "2", *cmd, *flags, "--metrics-out", str(metrics)], timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        peaks[bool(flags)] = json.loads(metrics.read_text())["peak_resident_bytes"]
+    slot_bytes = 2 * 4 * (8 * (2048 * 2048 + 2048) + 2048 * 10 + 10)
+    saved = peaks[False] - peaks[True]
+    print(f"VmHWM {peaks[False] / 2**20:.1f} -> {peaks[True] / 2**20:.1f} MiB")
+    assert saved >= 0.8 * (1 - 1 / 2) * slot_bytes, (saved, slot_bytes)

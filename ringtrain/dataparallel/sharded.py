@@ -1,19 +1,18 @@
 """ZeRO stage 1 (--shard-optimizer): each data-parallel replica keeps the optimizer's slots
 (Adam's moments, momentum) for 1/N of the weights instead of all of them.
 
-The trainable variables are laid end to end, in the model's order, as one flat vector padded
-to a multiple of N; rank r owns its r-th contiguous slice. A step reduce-scatters the flat
-gradient, so each rank receives the average of its slice alone (the loss and the stop flag ride
-along, once in every slice). A clone of the compiled optimizer (same class, options, schedule
-and step count), built over one flat variable holding this rank's slice of the weights, updates
-that slice; an allgather brings the slices back and every rank writes the whole model.
+The trainable variables, in the model's order, are cut into N runs of whole variables of about
+equal size; rank r owns the r-th. A step reduce-scatters the gradients laid end to end (each
+run padded to the longest), so each rank receives the average for its own variables alone (the
+loss and the stop flag ride along, once in every run). A clone of the compiled optimizer (same
+class, options, schedule and step count), built over the rank's own variables, updates them as
+Keras would, with no copy of them; an allgather brings the runs back and every rank writes the
+others' variables. Only global_clipnorm spans variables: its norm comes from one small
+allreduce of sums of squares.
 
-Keras's elementwise optimizers compute the same numbers over a slice as over the variables it
-cuts across. Gradient clipping needs whole gradients: their norms (per variable for clipnorm,
-all together for global_clipnorm) come from one small allreduce of per-variable sums of
-squares, and Keras's formulas are applied to the slice. What needs a variable's identity or
-more than its elements (exclude_from_weight_decay, an EMA of the weights, Keras's own gradient
-accumulation, a non-elementwise optimizer) is refused.
+What needs more than a variable's own update (an EMA of the weights, Keras's own gradient
+accumulation, exclude_from_weight_decay, which a clone does not carry) is refused, and so is
+an optimizer this has not been proven with.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from ringtrain.checkpoint import (
 from ringtrain.dataparallel.engine import DataParallelEngine
 from ringtrain.errors import UserError
 
-CHUNK_BYTES = 16 * 2**20  # a reduce-scatter's input at most (--bucket-mb sets it)
+CHUNK_BYTES = 4 * 2**20  # a reduce-scatter's input at most (--bucket-mb sets it)
 
 ELEMENTWISE = (
     keras.optimizers.SGD,
@@ -53,7 +52,8 @@ ELEMENTWISE = (
 
 
 def check_shardable(optimizer, trainable: list) -> None:
-    """Refuse, in one line, what a slice of the flat weights cannot compute as Keras would."""
+    """Refuse, in one line, what a rank updating its own variables cannot compute as Keras
+    would."""
     name = type(optimizer).__name__
     if type(optimizer) not in ELEMENTWISE:
         known = ", ".join(kind.__name__ for kind in ELEMENTWISE)
@@ -89,26 +89,48 @@ def clone_optimizer(optimizer, **changes):
     return type(optimizer).from_config(config)
 
 
+def owner_bounds(sizes: list[int], ranks: int) -> list[int]:
+    """Where each rank's run of whole variables begins, in the model's order (and the end):
+    each cut at the variable boundary nearest an even share of the elements, every rank given
+    at least one variable while there are enough."""
+    starts = np.cumsum([0, *sizes])
+    total, count, bounds = starts[-1], len(sizes), [0]
+    for r in range(1, ranks):
+        lowest = min(bounds[-1] + 1, count)
+        highest = max(lowest, count - (ranks - r))
+        target = total * r / ranks
+        bounds.append(min(range(lowest, highest + 1), key=lambda k: abs(starts[k] - target)))
+    return [*bounds, count]
+
+
 class FlatLayout:
-    """The trainable variables end to end, padded to `ranks` equal slices of `shard` elements."""
+    """The trainable variables end to end; rank r owns a run of whole variables, its slice.
+    Slices differ in length: a collective's share of each is padded to the longest, `shard`."""
 
     def __init__(self, shapes: list[tuple[int, ...]], ranks: int):
         self.shapes = [tuple(shape) for shape in shapes]
         self.sizes = [int(np.prod(shape, dtype=np.int64)) for shape in self.shapes]
         self.offsets = [int(x) for x in np.cumsum([0, *self.sizes[:-1]])]
         self.total, self.ranks = sum(self.sizes), ranks
-        self.shard = -(-self.total // ranks)
+        self.bounds = owner_bounds(self.sizes, ranks)
+        self.starts = [sum(self.sizes[:b]) for b in self.bounds]
+        self.shard = max(b - a for a, b in zip(self.starts, self.starts[1:], strict=False))
+
+    def owned(self, rank: int) -> range:
+        """The variables rank updates."""
+        return range(self.bounds[rank], self.bounds[rank + 1])
 
     def pieces(self, rank: int, lo: int = 0, hi: int | None = None) -> list[tuple[int, int, int]]:
         """(variable, start, stop) of each part of a variable, flattened, in rank's slice (or in
         its elements lo to hi)."""
         hi = self.shard if hi is None else hi
-        start, stop = rank * self.shard + lo, rank * self.shard + hi
+        start = self.starts[rank] + lo
+        stop = min(self.starts[rank] + hi, self.starts[rank + 1])
         found = []
-        for i, (offset, size) in enumerate(zip(self.offsets, self.sizes, strict=True)):
-            a, b = max(start, offset), min(stop, offset + size)
+        for i in self.owned(rank):
+            a, b = max(start, self.offsets[i]), min(stop, self.offsets[i] + self.sizes[i])
             if a < b:
-                found.append((i, a - offset, b - offset))
+                found.append((i, a - self.offsets[i], b - self.offsets[i]))
         return found
 
     def padding(self, rank: int, lo: int = 0, hi: int | None = None) -> int:
@@ -119,7 +141,7 @@ class FlatLayout:
         """Equal ranges of every slice, each reduce-scattered on its own: rank r's elements lo
         to hi of chunk (lo, hi) are its share of that call, so the slices stay as laid out."""
         step = max(1, chunk_elements // self.ranks)
-        return [(lo, min(lo + step, self.shard)) for lo in range(0, self.shard, step)]
+        return [(lo, min(lo + step, self.shard)) for lo in range(0, max(self.shard, 1), step)]
 
 
 class OptimizerLayout:
@@ -147,7 +169,7 @@ class OptimizerLayout:
 
 
 class ShardedUpdate:
-    """This rank's slice of the weights, its optimizer, and the step that updates through it."""
+    """This rank's variables, its optimizer over them, and the step that updates through it."""
 
     def __init__(
         self,
@@ -161,30 +183,26 @@ class ShardedUpdate:
     ):
         self.hvd, self.trainable, self.rank, self.refusal = hvd, trainable, rank, None
         self.flat = FlatLayout([tuple(v.shape) for v in trainable], ranks)
-        self.pieces, self.pad = self.flat.pieces(rank), self.flat.padding(rank)
+        self.owned = [trainable[i] for i in self.flat.owned(rank)]
         self.compression = hvd.Compression.fp16 if fp16 else hvd.Compression.none
-        self.clipnorm, self.global_clipnorm = optimizer.clipnorm, optimizer.global_clipnorm
+        self.global_clipnorm = optimizer.global_clipnorm
         self.layout = OptimizerLayout(optimizer, len(trainable))
-        # The slice in chunks, each its own variable: the optimizer's temporaries (Adam makes
-        # several per variable as it updates) are then a chunk's size, not the slice's.
         self.chunks = self.flat.chunks(chunk_bytes // 4)
-        self.params = [
-            keras.Variable(np.zeros(hi - lo, np.float32), name=f"shard_{lo}")
-            for lo, hi in self.chunks
-        ]
-        self.optimizer = clone_optimizer(optimizer, clipnorm=None, global_clipnorm=None)
-        self.optimizer.build(self.params)
-        chunked = OptimizerLayout(self.optimizer, len(self.params))
-        self.own, self.slots = [], [[None] * len(self.params) for _ in range(chunked.kinds)]
-        for v, where in zip(self.optimizer.variables, chunked.positions, strict=False):
+        # Keras's own update of whole variables, so per-variable options (clipnorm) hold as
+        # compiled; the global norm spans every rank's variables, so it is taken here.
+        self.optimizer = clone_optimizer(optimizer, global_clipnorm=None)
+        self.optimizer.build(self.owned)
+        mine = OptimizerLayout(self.optimizer, len(self.owned))
+        self.own, self.slots = [], [[None] * len(self.owned) for _ in range(mine.kinds)]
+        for v, where in zip(self.optimizer.variables, mine.positions, strict=False):
             if where[0] == "own":
                 self.own.append(v)
             else:
                 self.slots[where[1]][where[2]] = v
         if (
-            len(self.optimizer.variables) != len(chunked.positions)
+            len(self.optimizer.variables) != len(mine.positions)
             or len(self.own) != self.layout.own
-            or chunked.kinds != self.layout.kinds
+            or (self.owned and mine.kinds != self.layout.kinds)
         ):
             raise UserError(f"--shard-optimizer cannot lay out the slots of {optimizer.name}")
 
@@ -192,8 +210,7 @@ class ShardedUpdate:
         """(loss, stop) averaged over the replicas, the weights updated: in the step's graph.
         Chunk by chunk, one after another, so the step holds the gradients and one chunk's
         copy of them: one reduce-scatter of them all would copy them whole, and MPI and
-        Horovod add buffers of that size; one allgather would hold a second copy of the
-        weights."""
+        Horovod add buffers of that size."""
         sparse = [
             v.path
             for v, g in zip(self.trainable, grads, strict=True)
@@ -205,50 +222,52 @@ class ShardedUpdate:
                 "looked up, as an Embedding's), which Keras's optimizer updates row by row"
             )
             raise UserError(self.refusal)
-        flat = [tf.reshape(g, [-1]) for g in grads]
         riders = tf.stack([loss, stop])
-        received, done = [], []
+        received, previous = [], riders
         for lo, hi in self.chunks:  # rank r's elements lo to hi of the slice come to rank r
             last = [riders] if hi == self.flat.shard else []
-            with tf.control_dependencies(done):
-                sent = tf.concat(
-                    [
-                        x
-                        for r in range(self.flat.ranks)
-                        for x in [*self._parts(flat, r, lo, hi), *last]
-                    ],
-                    0,
-                )
-            done = [
-                self.hvd.reducescatter(
-                    sent, op=self.hvd.Average, compression=self.compression, name=f"shard_{lo}"
-                )
-            ]
-            received.append(done[0])
+            with tf.control_dependencies(received[-1:]):
+                parts = [
+                    x
+                    for r in range(self.flat.ranks)
+                    for x in self._parts(grads, r, lo, hi, previous) + last
+                ]
+            previous = self.hvd.reducescatter(
+                tf.concat(parts, 0),
+                op=self.hvd.Average,
+                compression=self.compression,
+                name=f"shard_{lo}",
+            )
+            received.append(previous)
         tail = self.chunks[-1][1] - self.chunks[-1][0]
         loss, stop, received[-1] = received[-1][tail], received[-1][tail + 1], received[-1][:tail]
-        if self.clipnorm or self.global_clipnorm:
-            whole = self._clipped(tf.concat(received, 0) if len(received) > 1 else received[0])
-            received = tf.split(whole, [hi - lo for lo, hi in self.chunks])
-        weights = [v.value for v in self.trainable]
-        for (lo, hi), params in zip(self.chunks, self.params, strict=True):
-            params.assign(tf.concat(self._parts(weights, self.rank, lo, hi), 0))
-        self.optimizer.apply_gradients(zip(received, self.params, strict=True))
-        self._gather_back()
+        if self.owned:
+            mine = tf.concat(received, 0) if len(received) > 1 else received[0]
+            sizes = [self.flat.sizes[i] for i in self.flat.owned(self.rank)]
+            mine = tf.split(mine, [*sizes, self.flat.shard - sum(sizes)])[: len(sizes)]
+            averaged = [tf.reshape(g, v.shape) for g, v in zip(mine, self.owned, strict=True)]
+            if self.global_clipnorm:
+                averaged = self._clipped(averaged)
+            self.optimizer.apply_gradients(zip(averaged, self.owned, strict=True))
+        self._gather_back(after=previous)
         return loss, stop
 
-    def _gather_back(self) -> None:
-        """Every rank's updated chunks into the model's variables: a variable is written once
-        all its pieces have come."""
-        shard = self.flat.shard
+    def _gather_back(self, after: tf.Tensor) -> None:
+        """Every rank's updated variables into every replica's model: a variable is written
+        once all its pieces have come, this rank's own too (with what it already holds): a
+        gather whose output fed no write would be pruned by TensorFlow (Horovod's ops are not
+        marked stateful) while the other ranks wait in it. The gathers follow the
+        reduce-scatters (`after`, the last one's output)."""
+        values = {i: self.trainable[i].value for i in self.flat.owned(self.rank)}
         pieces: dict[int, list] = {i: [] for i in range(len(self.trainable))}
-        done: list = []
-        for (lo, hi), params in zip(self.chunks, self.params, strict=True):
+        done, got = [after], after
+        for lo, hi in self.chunks:
             with tf.control_dependencies(done):
-                got = self.hvd.allgather(tf.convert_to_tensor(params.value), name=f"gather_{lo}")
+                mine = self._parts(values, self.rank, lo, hi, got)
+                got = self.hvd.allgather(tf.concat(mine, 0), name=f"gather_{lo}")
             done = [got]
             for r in range(self.flat.ranks):
-                start = r * (hi - lo) - (r * shard + lo)  # flat position -> place in `got`
+                start = r * (hi - lo) - (self.flat.starts[r] + lo)  # flat position -> in `got`
                 for i, a, b in self.flat.pieces(r, lo, hi):
                     at = start + self.flat.offsets[i] + a
                     pieces[i].append((a, b - a, got[at : at + b - a]))
@@ -258,51 +277,41 @@ class ShardedUpdate:
 
     def _write(self, i: int, pieces: list):
         v = self.trainable[i]
-        written = v.assign(
+        return v.assign(
             tf.reshape(pieces[0] if len(pieces) == 1 else tf.concat(pieces, 0), v.shape)
         )
-        if v.constraint is not None:  # as Keras's optimizer does after its update
-            written = v.assign(v.constraint(v))
-        return written
 
-    def _parts(self, tensors: list, rank: int, lo: int = 0, hi: int | None = None) -> list:
-        """The pieces of rank's slice (elements lo to hi of it) of per-variable tensors laid end
-        to end, and zeros for its padding: concatenated once where they are needed, never as a
-        whole flat vector first (each copy of the gradients is as large as Adam's two slots are
-        over N)."""
+    def _parts(self, tensors, rank: int, lo: int, hi: int, previous: tf.Tensor) -> list:
+        """The pieces of rank's slice (elements lo to hi of it) of per-variable tensors (a list,
+        or a dict by variable index) laid end to end, concatenated once where they are needed,
+        never as a whole flat vector first. Padding repeats an element of the `previous`
+        collective's output, which is discarded where it lands: zeros would be constants,
+        which TensorFlow runs as early as it likes, and a collective made of padding alone
+        would then be sent before the ones it follows (on another rank, its peers are still
+        waiting in those)."""
         pieces = self.flat.pieces(rank, lo, hi)
         parts = [tf.reshape(tensors[i], [-1])[a:b] for i, a, b in pieces]
         padding = self.flat.padding(rank, lo, hi)
-        return parts + ([tf.zeros([padding], tf.float32)] if padding else [])
+        filler = tf.tile(tf.reshape(previous, [-1])[:1], [padding])
+        return parts + ([filler] if padding else [])
 
-    def _clipped(self, grad: tf.Tensor) -> tf.Tensor:
-        """Keras's clipnorm (each variable's gradient to its own norm) or global_clipnorm (all of
-        them to their joint norm), from the squared norms every rank's slice contributes."""
-        sizes = [b - a for _, a, b in self.pieces]
-        parts = tf.split(grad, [*sizes, self.pad]) if self.pieces else [grad]
-        ids = [[i] for i, _, _ in self.pieces]
-        sums = tf.zeros([len(self.trainable)], tf.float32)
-        if ids:
-            squares = tf.stack([tf.reduce_sum(tf.square(p)) for p in parts[: len(ids)]])
-            sums = tf.scatter_nd(ids, squares, [len(self.trainable)])
-        sums = self.hvd.allreduce(sums, op=self.hvd.Sum)
-        if self.global_clipnorm:
-            clip, norm = self.global_clipnorm, tf.sqrt(tf.reduce_sum(sums))
-            scale = clip * tf.minimum(1.0 / norm, 1.0 / clip) + (norm - norm)
-            return grad * scale
-        clip, clipped = self.clipnorm, []
-        for (i, _, _), part in zip(self.pieces, parts, strict=False):
-            positive = sums[i] > 0
-            safe = tf.where(positive, sums[i], tf.ones_like(sums[i]))
-            norm = tf.where(positive, tf.sqrt(safe), sums[i])
-            clipped.append(part * clip / tf.maximum(norm, clip))
-        return tf.concat(clipped + parts[len(self.pieces) :], 0)
+    def _clipped(self, grads: list) -> list:
+        """Keras's global_clipnorm: every gradient scaled to their joint norm, summed over the
+        ranks' variables."""
+        mine = tf.add_n([tf.reduce_sum(tf.square(g)) for g in grads])
+        norm = tf.sqrt(self.hvd.allreduce(mine, op=self.hvd.Sum, name="global_norm"))
+        clip = self.global_clipnorm
+        scale = clip * tf.minimum(1.0 / norm, 1.0 / clip) + (norm - norm)
+        return [g * scale for g in grads]
 
     def state(self, rank: int) -> dict[str, np.ndarray]:
         """This rank's slots; rank 0 adds the optimizer's own variables, in the whole layout."""
         found = {
-            shard_key(k): np.concatenate([chunk.numpy() for chunk in chunks])
-            for k, chunks in enumerate(self.slots)
+            shard_key(k): np.concatenate(
+                [np.asarray(slot.numpy(), np.float32).ravel() for slot in slots]
+                or [np.zeros(0, np.float32)]
+            )
+            for k, slots in enumerate(self.slots)
         }
         if rank == 0:
             for position, where in enumerate(self.layout.positions):
@@ -311,25 +320,18 @@ class ShardedUpdate:
         return found
 
     def load(self, state: dict[str, np.ndarray]) -> None:
-        """Take this rank's slice of a whole optimizer's state (checkpoint layout)."""
+        """Take this rank's variables' slots from a whole optimizer's state (checkpoint layout)."""
         by_slot, own = {}, []
         for position, where in enumerate(self.layout.positions):
             key = optimizer_key(position)
             if where[0] == "own":
                 own.append((key, self.own[where[1]]))
             else:
-                by_slot[where[1:]] = state[key]
+                by_slot[where[1:]] = key
         assign_checked(state, own)
-        for kind, chunks in enumerate(self.slots):
-            per_variable = [by_slot.get((kind, i)) for i in range(len(self.trainable))]
-            stored = [s for s in per_variable if s is not None]
-            if len(stored) != len(per_variable) or any(
-                s.size != n for s, n in zip(stored, self.flat.sizes, strict=True)
-            ):
-                raise UserError("checkpoint's optimizer slots do not match this model")
-            values = [s.astype(np.float32) for s in per_variable]
-            for (lo, hi), chunk in zip(self.chunks, chunks, strict=True):
-                chunk.assign(tf.concat(self._parts(values, self.rank, lo, hi), 0))
+        for kind, slots in enumerate(self.slots):
+            for slot, i in zip(slots, self.flat.owned(self.rank), strict=True):
+                assign_checked(state, [(by_slot[(kind, i)], slot)])
 
     def manifest_entry(self, parts: list[str]) -> dict:
         """How the shards lay out each slot of the whole optimizer, for checkpoint.py."""

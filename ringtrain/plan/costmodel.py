@@ -232,10 +232,9 @@ def model_bytes(
     """A rank's model memory by what holds it, in bytes, from counts of 4-byte words: its
     `weights`; a gradient per `trainable` weight; the optimizer's `slots` words per trainable
     weight (Adam's two moments), divided among `shards` replicas when the optimizer is
-    sharded, which adds the rank's slice of the weights it updates (a copy: no views into
-    TensorFlow's variables); and the `activations` its tapes hold for the examples in flight.
+    sharded; and the `activations` its tapes hold for the examples in flight.
     The one arithmetic behind `plan`'s memory column and `train`'s memory check."""
-    state_words = trainable * (slots + (1 if shards > 1 else 0)) / shards
+    state_words = trainable * slots / shards
     return {
         "weights": int(weights * FLOAT_BYTES),
         "gradients": int(trainable * FLOAT_BYTES),
@@ -409,8 +408,8 @@ def plan(
         p.fits = memory_per_rank is None or p.peak_bytes <= memory_per_rank
         found.append(p)
 
-    # fp16 changes the training (lossy), and sharding adds work its bytes do not show (the
-    # shards' copies, a second collective to wait on): each ranks after the plain run it ties.
+    # fp16 changes the training (lossy), and sharding adds work its bytes do not show (a
+    # second collective to wait on): each ranks after the plain run it ties.
     def order(p: Prediction) -> tuple:
         c = p.candidate
         return (not p.fits, c.fp16_allreduce, p.step_seconds, c.shard_optimizer)
