@@ -781,8 +781,41 @@ def _plan_findings(workload: dict) -> str:
     )
 
 
-# Each page's generated block: the results it shows, in order (a name whose JSON is missing is
-# left out), and whether the simulated table of more stages follows them.
+def shard_table(report: dict) -> str:
+    """A sharded data-parallel step against a plain one, per workload, with the verdict."""
+    lines = [
+        "| workload | contender | ms/step (median, min–max) | × plain step (per round) | "
+        "fullest rank's VmHWM (MiB) |",
+        "|---|---|---|---|---|",
+    ]
+    for e in report["summary"]:
+        ms = {k: v * 1e3 for k, v in e.items() if k.startswith("step_seconds_")}
+        cells = {f"ms_{k.removeprefix('step_seconds_')}": v for k, v in ms.items()}
+        ratios = ", ".join(f"{r:.3f}" for r in e["vs_plain_per_round"])
+        lines.append(
+            f"| {e['workload']} | {e['name']} | {_range(cells, 'ms', '.1f')} | "
+            f"{e['vs_plain_median']:.3f} ({ratios}) | "
+            f"{e['peak_resident_bytes_median'] / 2**20:.0f} |"
+        )
+    runs = ", ".join(
+        f"{name} ({w['steps']} steps at global batch {w['global_batch']})"
+        for name, w in report["workloads"].items()
+    )
+    verdicts = "; ".join(
+        f"{name}: {'within' if met else 'over'} the target"
+        for name, met in report["within_target"].items()
+    )
+    intro = (
+        f"`ringtrain bench shard-optimizer` on {machine(report['machine'])}. Workloads: the "
+        f"built-in {runs}, {report['optimizer']}. Each contender is one `ringtrain train` "
+        "launch of 2 ranks (`mpirun --bind-to core`, one thread each), timed over its steps "
+        f"after the first; medians of {report['rounds']} alternating rounds{_mode(report)}, "
+        f"each ratio against the plain step of its own round. Target: {report['target']}. "
+        f"{verdicts}."
+    )
+    return "\n".join([intro, "", *lines])
+
+
 def too_big_table(report: dict) -> str:
     """The BERT-large-sized encoder on capped nodes: what one process would need by the
     arithmetic, then each run's verdict, prediction, peaks and, for the pipeline, its speed."""
@@ -835,6 +868,8 @@ def too_big_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+# Each page's generated block: the results it shows, in order (a name whose JSON is missing is
+# left out), and whether the simulated table of more stages follows them.
 PAGE_RESULTS = {
     "allreduce.md": (("allreduce", allreduce_table),),
     "data-parallel.md": (
@@ -849,6 +884,7 @@ PAGE_RESULTS = {
     "pipeline-sizes.md": (("pipeline-sizes", sizes_table),),
     "sweeps.md": (("sweep", sweep_table),),
     "too-big.md": (("too-big", too_big_table),),
+    "shard-optimizer.md": (("shard-optimizer", shard_table),),
     "planning.md": (
         ("plan-cluster-2gbit", plan_table),
         ("plan-cluster-200mbit", plan_table),

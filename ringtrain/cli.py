@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         (
             "bench",
             "benchmarks: pipeline, pipeline-sizes, strategies, allreduce, dp, plan, zoo, input, "
-            "sweep, too-big (JSON, PNG: benchmarks/results)",
+            "shard-optimizer, sweep, too-big (JSON, PNG: benchmarks/results)",
             bench.add_bench_arguments,
             bench.run_bench_command,
         ),

@@ -221,6 +221,24 @@ def test_bench_pipeline_sizes_quick(tmp_path):
 
 
 @pytest.mark.mpi
+def test_bench_shard_optimizer_quick(tmp_path):
+    """Plain and sharded data parallelism, each a `ringtrain train` launch on 2 ranks, take
+    every round; each ratio is to the plain step of its own round, and the verdict is read
+    from the median ratio."""
+    report = quick_bench("shard-optimizer", tmp_path)
+    rows = report["raw"]
+    counts = rounds_per_contender(rows)
+    assert set(counts) == {"cnn data", "cnn data --shard-optimizer"}
+    assert all(r == QUICK for r in counts.values())
+    assert all(r["step_seconds"] > 0 and r["peak_resident_bytes"] > 0 for r in rows)
+    by_name = {e["name"]: e for e in report["summary"]}
+    assert by_name["data"]["vs_plain_per_round"] == [1.0] * len(QUICK)
+    sharded = by_name["data --shard-optimizer"]
+    assert len(sharded["vs_plain_per_round"]) == len(QUICK)
+    assert report["within_target"] == {"cnn": sharded["vs_plain_median"] <= 1.15}
+
+
+@pytest.mark.mpi
 def test_bench_zoo_quick(tmp_path):
     """Every contender takes every round; each ResNet50 run (and the CNN, which has no
     BatchNormalization) is compared with one-process model.fit, which the CNN and rank 0 alone

@@ -29,9 +29,9 @@ from statistics import median
 import numpy as np
 
 from ringtrain import log
-from ringtrain.bounded import RunFailed, last_words, start_session
+from ringtrain.bounded import RunFailed, last_words, run_bounded, start_session
 from ringtrain.errors import ProblemsFound, UserError
-from ringtrain.launch.mpirun import binding_flags
+from ringtrain.launch.mpirun import binding_flags, mpi_env
 from ringtrain.machine import machine_facts
 from ringtrain.proc import processes
 
@@ -76,6 +76,11 @@ BENCHES = {
     "input": (
         "ringtrain.bench.input_bench",
         "a CNN trained from TFRecord files on disk, under a memory cgroup, against memory",
+        5,
+    ),
+    "shard-optimizer": (
+        "ringtrain.bench.shard_bench",
+        "a data-parallel step with --shard-optimizer against a plain one: CNN, transformer",
         5,
     ),
     "too-big": (
@@ -225,6 +230,19 @@ def deadline(quick: bool) -> float:
     minute and full ones under 20 on a quiet machine; the slack is for a machine shared with
     other jobs, which can slow start-up (TensorFlow in up to 11 processes) severalfold."""
     return 420.0 if quick else 2400.0
+
+
+LAUNCH_SECONDS = 300  # one `ringtrain train` launch: start-up, tracing and its steps, loaded
+
+
+def train_metrics(command: list[str], limit: float, folder: str) -> dict:
+    """One `ringtrain train ... --metrics-out FOLDER/metrics.json` launch, run to its end
+    within LAUNCH_SECONDS and the bench's `limit` (a monotonic time): its metrics."""
+    out = Path(folder) / "metrics.json"
+    budget = min(LAUNCH_SECONDS, max(1.0, limit - time.monotonic()))
+    command = [*command, "--metrics-out", str(out)]
+    run_bounded(command, mpi_env(1), budget, Path(folder) / "launch.log", quiet=True)
+    return json.loads(out.read_text())
 
 
 UNBOUND = "none"  # the `--bind-to` value of the strategies and allreduce benches

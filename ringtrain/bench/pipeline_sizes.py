@@ -18,16 +18,14 @@ one process of the same round and batch, so drift over the run cancels.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import textwrap
 import time
 from pathlib import Path
 from statistics import median
 
-from ringtrain.bench.common import deadline, summarise_contenders
-from ringtrain.bounded import run_bounded
-from ringtrain.launch.mpirun import mpi_env, mpirun_command
+from ringtrain.bench.common import deadline, summarise_contenders, train_metrics
+from ringtrain.launch.mpirun import mpirun_command
 
 LR = 0.05
 BERT = Path(__file__).resolve().parents[2] / "examples" / "bert_classifier.py"
@@ -55,10 +53,9 @@ PIPELINES = {  # contender -> its train flags
     "zb-h1 M=8 recompute": ["--schedule", "zb-h1", "--microbatches", "8", "--recompute"],
 }
 QUICK_PIPELINES = ["1f1b M=8", "1f1b M=8 recompute"]
-LAUNCH_SECONDS = 300  # one launch: start-up, tracing and the steps, on a loaded machine
 
 
-def _command(workload: str, contender: str, batch: int, steps: int, out: Path) -> list[str]:
+def _command(workload: str, contender: str, batch: int, steps: int) -> list[str]:
     train = [
         "train",
         *WORKLOADS[workload][0],
@@ -68,8 +65,6 @@ def _command(workload: str, contender: str, batch: int, steps: int, out: Path) -
         str(steps),
         "--progress",
         "none",
-        "--metrics-out",
-        str(out),
     ]
     if contender == SINGLE:
         return mpirun_command(1, "ringtrain.cli", *train, "--strategy", "single", binding="core")
@@ -90,16 +85,8 @@ def measure(args: argparse.Namespace) -> dict:
             for workload, steps in sizes.items():
                 for batch, count in steps.items():
                     for contender in names[shift:] + names[:shift]:
-                        out = Path(tmp) / "metrics.json"
-                        budget = min(LAUNCH_SECONDS, max(1.0, limit - time.monotonic()))
-                        run_bounded(
-                            _command(workload, contender, batch, count, out),
-                            mpi_env(1),
-                            budget,
-                            Path(tmp) / "launch.log",
-                            quiet=True,
-                        )
-                        metrics = json.loads(out.read_text())
+                        command = _command(workload, contender, batch, count)
+                        metrics = train_metrics(command, limit, tmp)
                         calibration = metrics.get("calibration", {})
                         fixed = calibration.get("fixed_ms_per_microbatch")
                         rows.append(
