@@ -198,9 +198,17 @@ def engine_for(model, data: Dataset | UserData, cfg: TrainConfig, world_size: in
     stages = pipeline_schedule(cfg, pp_size_of(cfg, world_size)).n_stages
     plan.check_cuts(cfg.split_at.split(",") if cfg.split_at else None, stages)
 
+    engine = PipelineEngine
+    if cfg.shard_optimizer and world_size > pp_size_of(cfg, world_size):
+        from ringtrain.dataparallel.sharded import check_shardable
+        from ringtrain.pipeline.sharded import ShardedPipelineEngine
+
+        check_shardable(model.optimizer, model.trainable_variables)
+        engine = ShardedPipelineEngine
+
     def make(world):
-        engine = PipelineEngine(plan, data, cfg, world)
-        return engine, engine.grid.dp_size
+        built = engine(plan, data, cfg, world)
+        return built, built.grid.dp_size
 
     return make
 

@@ -297,32 +297,24 @@ def training_state(variables, optimizer) -> dict[str, ReadWhenWritten]:
     return state
 
 
-SHARDS = "optimizer_shards"  # a manifest's entry: the optimizer's slots were saved in shards
+SHARDS = "optimizer_shards"  # a manifest's entry: {a weights part: its group's parts}
 
 
-SHARD_PREFIX = "shard/"
-
-
-def shard_key(kind: int) -> str:
-    """One kind of slot (Adam's first moments, its second...) of a rank's own run of
-    variables, laid end to end."""
-    return f"{SHARD_PREFIX}{kind:02d}"
+def shard_part(weights_part: str, replica: int) -> str:
+    """The part that replica `replica` (not 0) of a sharded optimizer writes beside its
+    group's weights part: its own slots, by their position in the whole optimizer."""
+    return f"{weights_part}-optimizer-shard-{replica:05d}"
 
 
 def whole_optimizer_state(manifest: dict, read: str, state: dict[str, np.ndarray]) -> dict:
     """A checkpoint whose slots were saved in shards (--shard-optimizer), in the layout of one
-    whose optimizer held them all: every rank's shard is read and each slot cut from the
-    shards laid end to end, so it resumes on any number of ranks, with or without sharding.
-    `state` is the part `read`, already read."""
-    shards = manifest[SHARDS]
-    parts = [state if part == read else read_part(manifest, part) for part in shards["parts"]]
-    kinds = sorted({key for key in state if key.startswith(SHARD_PREFIX)})
-    whole = {key: value for key, value in state.items() if not key.startswith(SHARD_PREFIX)}
-    laid = {key: np.concatenate([part[key] for part in parts]) for key in kinds}
-    for position, kind, offset, shape in shards["slots"]:
-        size = int(np.prod(shape, dtype=np.int64))
-        flat = laid[shard_key(kind)][offset : offset + size]
-        whole[optimizer_key(position)] = flat.reshape(shape)
+    whose optimizer held them all: each shard holds its slots under their whole layout's
+    names, so the group's parts together are that layout, and it resumes on any number of
+    ranks, with or without sharding. `state` is the part `read`, already read."""
+    whole = dict(state)
+    for part in manifest[SHARDS].get(read, []):
+        if part != read:
+            whole |= read_part(manifest, part)
     return whole
 
 

@@ -208,7 +208,8 @@ def rank_peaks(
                 words = (units[0].inputs + made) * inflight[s]
             weights, trainable = sum(u.weights for u in units), sum(u.trainable for u in units)
             activations = STAGE_ACTIVATION_FACTOR * words * microbatch
-            stage = model_bytes(weights, trainable, facts.slots, activations)
+            shards = dp_size if cfg.shard_optimizer else 1  # a stage's replicas share its slots
+            stage = model_bytes(weights, trainable, facts.slots, activations, shards)
             summed = {k: summed[k] + stage[k] for k in CONSUMERS}
         mine = [u for units in held.values() for u in units]
         trainable = sum(u.trainable for u in mine)

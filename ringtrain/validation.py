@@ -93,22 +93,22 @@ def _validate_fit_loop(cfg: TrainConfig) -> None:
 
 def _validate_bucketing(cfg: TrainConfig) -> None:
     """Buckets split the allreduce of ringtrain's own data-parallel step, a compiled model's
-    too; model.fit (--loop fit) and a pipeline have no such step."""
-    if cfg.bucket_mb is not None and (cfg.strategy != "data" or cfg.loop != "custom"):
-        raise UserError("--bucket-mb buckets the allreduce of --strategy data --loop custom")
+    too, and the chunks of a sharded optimizer's collectives (hybrid's too); model.fit (--loop
+    fit) and a pipeline's own averaging have no such step."""
+    sharded_hybrid = cfg.shard_optimizer and cfg.strategy == "hybrid"
+    plain = cfg.strategy == "data" or sharded_hybrid
+    if cfg.bucket_mb is not None and (not plain or cfg.loop != "custom"):
+        raise UserError(
+            "--bucket-mb buckets the allreduce of --strategy data --loop custom (and the "
+            "chunks of --shard-optimizer in hybrid)"
+        )
 
 
 def _validate_sharding(cfg: TrainConfig) -> None:
-    """--shard-optimizer divides ringtrain's own data-parallel step's optimizer among replicas:
-    model.fit's optimizer holds every slot; within a pipeline's replica groups it is not done
-    yet."""
+    """--shard-optimizer divides ringtrain's own step's optimizer among the replicas (of the
+    whole model, or of each stage in hybrid): model.fit's optimizer holds every slot."""
     if not cfg.shard_optimizer:
         return
-    if runs_stages(cfg):
-        raise UserError(
-            f"--shard-optimizer shards among data-parallel replicas (--strategy data); not yet "
-            f"--strategy {cfg.strategy} with pipeline stages"
-        )
     if cfg.loop != "custom":
         raise UserError(
             "--shard-optimizer needs --loop custom (model.fit's optimizer holds every slot)"

@@ -163,6 +163,10 @@ def test_a_pipeline_stage_holds_its_share_and_its_microbatches_in_flight():
     # each pipeline rank is predicted (what a run that fits lists), the fullest is checked
     first, last = rank_peaks(FACTS, cfg, 2)
     assert first == need and last["weights gathered at the end"] == 0
+    # in hybrid 2x2 with --shard-optimizer, a stage's two replicas share its slots
+    grid = dict(strategy="hybrid", pp_size=2, shard_optimizer=True)
+    shared = rank_peak(FACTS, TrainConfig(**{**cfg.__dict__, **grid}), 4)
+    assert shared["optimizer state"] == need["optimizer state"] / 2
     assert last["activations in flight"] == 1.5 * 110 * 4 * 16  # one microbatch in flight
 
 

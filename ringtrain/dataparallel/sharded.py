@@ -27,9 +27,10 @@ import keras
 
 from ringtrain.checkpoint import (
     SHARDS,
+    ReadWhenWritten,
     assign_checked,
     optimizer_key,
-    shard_key,
+    shard_part,
     weight_key,
     weights_state,
 )
@@ -180,8 +181,10 @@ class ShardedUpdate:
         ranks: int,
         fp16: bool,
         chunk_bytes: int = CHUNK_BYTES,
+        process_set=None,
     ):
         self.hvd, self.trainable, self.rank, self.refusal = hvd, trainable, rank, None
+        self.group = {"process_set": process_set} if process_set is not None else {}
         self.flat = FlatLayout([tuple(v.shape) for v in trainable], ranks)
         self.owned = [trainable[i] for i in self.flat.owned(rank)]
         self.compression = hvd.Compression.fp16 if fp16 else hvd.Compression.none
@@ -237,6 +240,7 @@ class ShardedUpdate:
                 op=self.hvd.Average,
                 compression=self.compression,
                 name=f"shard_{lo}",
+                **self.group,
             )
             received.append(previous)
         tail = self.chunks[-1][1] - self.chunks[-1][0]
@@ -264,7 +268,7 @@ class ShardedUpdate:
         for lo, hi in self.chunks:
             with tf.control_dependencies(done):
                 mine = self._parts(values, self.rank, lo, hi, got)
-                got = self.hvd.allgather(tf.concat(mine, 0), name=f"gather_{lo}")
+                got = self.hvd.allgather(tf.concat(mine, 0), name=f"gather_{lo}", **self.group)
             done = [got]
             for r in range(self.flat.ranks):
                 start = r * (hi - lo) - (self.flat.starts[r] + lo)  # flat position -> in `got`
@@ -299,51 +303,70 @@ class ShardedUpdate:
         """Keras's global_clipnorm: every gradient scaled to their joint norm, summed over the
         ranks' variables."""
         mine = tf.add_n([tf.reduce_sum(tf.square(g)) for g in grads])
-        norm = tf.sqrt(self.hvd.allreduce(mine, op=self.hvd.Sum, name="global_norm"))
+        norm = tf.sqrt(self.hvd.allreduce(mine, op=self.hvd.Sum, name="global_norm", **self.group))
         clip = self.global_clipnorm
         scale = clip * tf.minimum(1.0 / norm, 1.0 / clip) + (norm - norm)
         return [g * scale for g in grads]
 
-    def state(self, rank: int) -> dict[str, np.ndarray]:
-        """This rank's slots; rank 0 adds the optimizer's own variables, in the whole layout."""
-        found = {
-            shard_key(k): np.concatenate(
-                [np.asarray(slot.numpy(), np.float32).ravel() for slot in slots]
-                or [np.zeros(0, np.float32)]
-            )
-            for k, slots in enumerate(self.slots)
-        }
-        if rank == 0:
-            for position, where in enumerate(self.layout.positions):
-                if where[0] == "own":
-                    found[optimizer_key(position)] = np.asarray(self.own[where[1]].numpy())
+    def state(self) -> dict[str, ReadWhenWritten]:
+        """This rank's slots, under their names in the whole optimizer's layout; replica 0
+        adds the optimizer's own variables (step count, learning rate)."""
+        found = {}
+        owned = list(self.flat.owned(self.rank))
+        for position, where in enumerate(self.layout.positions):
+            if where[0] == "own" and self.rank == 0:
+                found[optimizer_key(position)] = ReadWhenWritten(self.own[where[1]])
+            elif where[0] == "slot" and where[2] in owned:
+                slot = self.slots[where[1]][owned.index(where[2])]
+                found[optimizer_key(position)] = ReadWhenWritten(slot)
         return found
 
     def load(self, state: dict[str, np.ndarray]) -> None:
         """Take this rank's variables' slots from a whole optimizer's state (checkpoint layout)."""
-        by_slot, own = {}, []
+        owned, pairs = list(self.flat.owned(self.rank)), []
         for position, where in enumerate(self.layout.positions):
             key = optimizer_key(position)
             if where[0] == "own":
-                own.append((key, self.own[where[1]]))
-            else:
-                by_slot[where[1:]] = key
-        assign_checked(state, own)
-        for kind, slots in enumerate(self.slots):
-            for slot, i in zip(slots, self.flat.owned(self.rank), strict=True):
-                assign_checked(state, [(by_slot[(kind, i)], slot)])
-
-    def manifest_entry(self, parts: list[str]) -> dict:
-        """How the shards lay out each slot of the whole optimizer, for checkpoint.py."""
-        slots = [
-            [position, where[1], self.flat.offsets[where[2]], list(self.flat.shapes[where[2]])]
-            for position, where in enumerate(self.layout.positions)
-            if where[0] == "slot"
-        ]
-        return {SHARDS: {"parts": parts, "slots": slots}}
+                pairs.append((key, self.own[where[1]]))
+            elif where[2] in owned:
+                pairs.append((key, self.slots[where[1]][owned.index(where[2])]))
+        assign_checked(state, pairs)
 
 
-class ShardedDataParallelEngine(DataParallelEngine):
+class ShardedCheckpoint:
+    """A checkpoint of engines whose replicas each keep a shard of the optimizer (`update`):
+    replica 0 of a group writes the group's weights part with its shard, every other replica
+    its own shard; the manifest lists each group's parts (checkpoint.whole_optimizer_state).
+    The engine gives `update`, `variables` (the weights its part holds), `replica`, and
+    `read_part()`."""
+
+    def checkpoint_part(self) -> str:
+        read = self.read_part()
+        return read if self.replica == 0 else shard_part(read, self.replica)
+
+    def state(self) -> dict[str, ArrayLike]:
+        weights = weights_state(self.variables) if self.replica == 0 else {}
+        return weights | self.update.state()
+
+    def load_state(self, state: dict[str, np.ndarray]) -> None:
+        expected = {weight_key(v) for v in self.variables}
+        expected |= {optimizer_key(p) for p in range(len(self.update.layout.positions))}
+        if expected != state.keys():
+            missing = sorted(expected ^ state.keys())[:3]
+            raise UserError(f"checkpoint does not match this model (differing {missing})")
+        assign_checked(state, [(weight_key(v), v) for v in self.variables])
+        self.update.load(state)
+
+
+def shard_groups(weights_parts: list[str], replicas: int) -> dict:
+    """The manifest's entry: each group's parts, its weights part first."""
+    groups = {
+        read: [read, *(shard_part(read, r) for r in range(1, replicas))] for read in weights_parts
+    }
+    return {SHARDS: groups}
+
+
+class ShardedDataParallelEngine(ShardedCheckpoint, DataParallelEngine):
     """Data parallelism whose replicas each hold 1/N of the optimizer's slots."""
 
     def _stepping_optimizer(self):
@@ -376,26 +399,9 @@ class ShardedDataParallelEngine(DataParallelEngine):
                 raise
             raise UserError(self.update.refusal).on_every_rank(self.world.rank) from None
 
-    def checkpoint_part(self) -> str:
-        return self._part(self.world.rank)
-
-    @staticmethod
-    def _part(rank: int) -> str:
-        """Rank 0 writes the weights beside its shard, under the whole model's part name."""
-        return "model" if rank == 0 else f"optimizer-shard-{rank:05d}"
-
-    def state(self) -> dict[str, ArrayLike]:
-        weights = weights_state(self.variables) if self.world.rank == 0 else {}
-        return weights | self.update.state(self.world.rank)
-
-    def load_state(self, state: dict[str, np.ndarray]) -> None:
-        expected = {weight_key(v) for v in self.variables}
-        expected |= {optimizer_key(p) for p in range(len(self.update.layout.positions))}
-        if expected != state.keys():
-            missing = sorted(expected ^ state.keys())[:3]
-            raise UserError(f"checkpoint does not match this model (differing {missing})")
-        assign_checked(state, [(weight_key(v), v) for v in self.variables])
-        self.update.load(state)
+    @property
+    def replica(self) -> int:
+        return self.world.rank
 
     def checkpoint_meta(self) -> dict:
-        return self.update.manifest_entry([self._part(r) for r in range(self.world.size)])
+        return shard_groups([self.read_part()], self.world.size)

@@ -176,10 +176,10 @@ class PipelineEngine(Checkpointable):
         before = RESIDENT_BEFORE_MODEL[0]  # 0: the caller built the model (ringtrain.fit)
         self.model_resident = resident_bytes("VmHWM") - before if before else 0
         self.optimizer, self.clip_limit = self.plan.optimizer(cfg)
-        self.optimizer.build(self.variables)
+        stepping = self._stepping_optimizer()
         self.base_learning_rate = self.plan.base_learning_rate(self.optimizer, cfg)
         self.scorer = self.plan.scorer()
-        self._lr = LearningRate(self.optimizer)
+        self._lr = LearningRate(stepping)
         self._apply = tf.function(self._apply_gradients)
 
         self.actions = self.schedule.actions[self.pp_rank]
@@ -316,6 +316,12 @@ class PipelineEngine(Checkpointable):
         grads = self._clip([g for stage in self.local_stages.values() for g in stage.grads])
         if self.variables:  # none on a rank that holds only frozen layers
             self._apply(grads)
+
+    def _stepping_optimizer(self):
+        """The optimizer that applies this rank's averaged gradients, built: here the compiled
+        one, with a slot for each of its stages' weights."""
+        self.optimizer.build(self.variables)
+        return self.optimizer
 
     def _apply_gradients(self, grads: list) -> None:
         """Compiled: applied eagerly, Adam's per-variable ops cost 0.2 s a step on the
