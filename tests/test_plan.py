@@ -338,3 +338,17 @@ def test_a_sharded_optimizer_divides_the_slots_and_is_recommended_only_when_it_a
     )
     fitting = [p for p in tight if p.fits and p.candidate.pp_size == 1]
     assert fitting and all(p.candidate.shard_optimizer for p in fitting)
+
+
+def test_a_hybrid_grid_may_share_each_stages_slots_among_its_replicas():
+    """2 x 2: each stage holds two elements' weights; sharded, its two replicas keep half of
+    its Adam slots each, in the same time."""
+    cal = replace(synthetic(params=250_000, link=LinkModel(0.0, 1e9)), optimizer="adam")
+    plain = costmodel.predict_pipeline(cal, Candidate(2, 2, "1f1b", 4), nodes=1, batch=64)
+    grid = Candidate(2, 2, "1f1b", 4, shard_optimizer=True)
+    sharded = costmodel.predict_pipeline(cal, grid, nodes=1, batch=64)
+    assert plain.peak_bytes - sharded.peak_bytes == 2 * 250_000 * 2 * 4 // 2
+    assert sharded.step_seconds == pytest.approx(plain.step_seconds)
+    assert grid.flags()[-1] == "--shard-optimizer" and "sharded optimizer" in grid.label()
+    listed = costmodel.candidates(4, elements=4, microbatch_counts=[4])
+    assert grid in listed and Candidate(1, 4, "1f1b", 4, shard_optimizer=True) not in listed

@@ -168,7 +168,7 @@ class Candidate:
     schedule: str | None = None  # None for data parallel
     microbatches: int = 1
     fp16_allreduce: bool = False
-    shard_optimizer: bool = False  # data parallel's optimizer slots divided among the replicas
+    shard_optimizer: bool = False  # optimizer slots divided among the (stage's) replicas
 
     @property
     def strategy(self) -> str:
@@ -260,11 +260,14 @@ def _slots(cal: Calibration) -> float:
     return cal.optimizer_slots
 
 
-def _stage_bytes(cal: Calibration, elements: range, inflight: int, microbatch: float) -> int:
-    """A stage's own memory: its state, and its activations for each microbatch in flight."""
+def _stage_bytes(
+    cal: Calibration, elements: range, inflight: int, microbatch: float, shards: int = 1
+) -> int:
+    """A stage's own memory: its state (its slots divided among `shards` replicas), and its
+    activations for each microbatch in flight."""
     params = sum(cal.elements[i].params for i in elements)
     words = inflight * _activation_words(cal, elements) * microbatch
-    return sum(model_bytes(params, params, _slots(cal), words).values())
+    return sum(model_bytes(params, params, _slots(cal), words, shards).values())
 
 
 def _activation_bytes(cal: Calibration, elements: range, samples: float) -> int:
@@ -324,7 +327,8 @@ def predict_pipeline(cal: Calibration, candidate: Candidate, nodes: int, batch: 
         grad_bytes = _weights_bytes(cal, range(a, b), candidate.fp16_allreduce)[1]
         replica_link = cal.link(cal.allreduce, dp_size > 1 and nodes > 1)
         average = max(average, allreduce_seconds(replica_link, dp_size, grad_bytes))
-        own = _stage_bytes(cal, range(a, b), sim.peak_inflight[s], microbatch)
+        shards = dp_size if candidate.shard_optimizer else 1
+        own = _stage_bytes(cal, range(a, b), sim.peak_inflight[s], microbatch, shards)
         peak = max(peak, cal.baseline_bytes + runtime + own)
     compute = max(sim.busy)
     step = sim.makespan + average
@@ -373,7 +377,8 @@ def fit_line(points: dict[float, float]) -> tuple[float, float]:
 
 def candidates(ranks: int, elements: int, microbatch_counts: list[int]) -> list[Candidate]:
     """Data parallel (with and without fp16, and with its optimizer sharded), and every grid
-    D x P with P <= elements, with each pipeline schedule and M."""
+    D x P with P <= elements, with each pipeline schedule and M (and, with D > 1, each stage's
+    optimizer sharded among its replicas)."""
     found = [Candidate(ranks, 1)]
     if ranks > 1:
         found.append(Candidate(ranks, 1, fp16_allreduce=True))
@@ -384,6 +389,10 @@ def candidates(ranks: int, elements: int, microbatch_counts: list[int]) -> list[
         for kind in SCHEDULE_KINDS:
             for m in microbatch_counts:
                 found.append(Candidate(ranks // pp_size, pp_size, kind, m))
+                if pp_size < ranks:
+                    found.append(
+                        Candidate(ranks // pp_size, pp_size, kind, m, shard_optimizer=True)
+                    )
     return found
 
 
