@@ -66,7 +66,7 @@ def train(
     callbacks, run on rank 0."""
     from ringtrain.keras_model.callbacks import EpochCallbacks, check_callbacks
     from ringtrain.keras_model.compiled import base_learning_rate, check_compiled, receive_weights
-    from ringtrain.keras_model.deferred import materialize_whole, pending
+    from ringtrain.keras_model.deferred import pending
 
     me = who_am_i()
     asked = bool(cfg.save or cfg.weights_out or cfg.initial_weights_out or callbacks)
@@ -108,8 +108,6 @@ def train(
             )
         # before the engine allocates gradients and slots
         check_memory(model, data, cfg, me, gathers, asked)
-        if not runs_stages(cfg):  # a pipeline rank gives values to its own stages alone
-            materialize_whole(model)
     hooks = None
     if callbacks:
         hooks = EpochCallbacks(callbacks, model, me.rank, -(-total // per_epoch), per_epoch)

@@ -17,6 +17,7 @@ from ringtrain.config import (
     is_model_function,
     is_schedule_file,
     options,
+    runs_stages,
     shape_from_text,
     uses_horovod,
 )
@@ -109,7 +110,7 @@ def train_from_args(args: argparse.Namespace, callbacks: Sequence = ()) -> tuple
 
     runtime.init(uses_horovod(cfg))  # before the first TensorFlow op: pools are set once
     with alike_on_every_rank(me.rank):
-        model = builtin(cfg, data.input_shape, data.n_classes, weightless=True)
+        model = builtin(cfg, data.input_shape, data.n_classes, runs_stages(cfg))
     return cfg, train(model, data, cfg, callbacks=callbacks)
 
 
@@ -137,7 +138,7 @@ def _train_user_model(
 
     runtime.init(uses_horovod(cfg))  # before the user's model runs a TensorFlow op
     with alike_on_every_rank(me.rank):  # the same files on every node: the same verdict
-        model = build_user_model(cfg.model, args.model_arg, cfg.seed, weightless=True)
+        model = build_user_model(cfg.model, args.model_arg, cfg.seed, runs_stages(cfg))
     return train(model, data, cfg, typed_flags(args), callbacks)
 
 

@@ -217,35 +217,6 @@ def test_a_run_predicted_over_its_memory_is_refused_in_one_line_and_forced_it_tr
     assert "--ignore-memory-check: memory per rank is not checked" in forced.stderr + forced.stdout
 
 
-def peak_of_refused(*flags: str) -> int:
-    """The resident peak, in bytes, of a single-process `ringtrain train` refused by the check."""
-    import json
-    import sys
-
-    from conftest import BIN
-
-    command = [str(BIN / "ringtrain"), "train", "--strategy", "single", *flags]
-    measure = (
-        "import json, resource, subprocess, sys; "
-        "done = subprocess.run(json.loads(sys.argv[1]), capture_output=True); "
-        "print(done.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
-    )
-    done = run([sys.executable, "-c", measure, json.dumps(command)])
-    code, kib = done.stdout.split()
-    assert int(code) == EXIT_USAGE, done
-    return int(kib) * 1024
-
-
-def test_a_refused_run_never_allocates_its_weights(wide):
-    """`single` builds the model weightless and gives it values only once the check passes:
-    refused, 26M weights (99 MiB) cost it about what 64 weights per layer do."""
-    big = peak_of_refused(*wide, "--memory-per-rank", "300M")
-    small = peak_of_refused(*wide, "--model-arg", "units=64", "--memory-per-rank", "100M")
-    weights = (64 * 3584 + 2 * 3584 * 3584 + 3584 * 10) * 4
-    print(f"refused: {big / MIB:.0f} MiB against {small / MIB:.0f} MiB ({weights / MIB:.0f} MiB)")
-    assert big - small < 0.25 * weights, (big, small, weights)
-
-
 def test_every_rank_refuses_alike_and_rank_0_says_it_once(wide):
     done = train_under_mpirun("--strategy", "data", *wide, "--memory-per-rank", LIMIT)
     said_once(done, EXIT_USAGE, "(largest: optimizer state ")

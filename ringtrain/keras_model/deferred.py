@@ -133,15 +133,6 @@ def pending(model) -> Pending | None:
     return _PENDING.get(model)
 
 
-def materialize_whole(model) -> None:
-    """Every pending variable of a model built weightless given its value, as the build would
-    have: single and data build weightless too, so the memory check speaks before the weights
-    take a node's memory, and a refused run never allocates them."""
-    waiting = _PENDING.pop(model, None)
-    if waiting is not None:
-        waiting.materialize(list(waiting.variables.values()))
-
-
 @contextmanager
 def held(model, variables: list) -> Iterator[None]:
     """`variables` hold their values inside the block (a unit timed alone on a rank that will
