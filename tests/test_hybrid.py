@@ -58,8 +58,9 @@ def test_last_stage_allreduce_starts_while_stage_0_still_runs_its_last_backward(
     """No barrier before the replica allreduce: the trace shows it overlapping stage 0's work.
     Microbatches of 128 transformer examples make that backward last far longer than the
     scheduling noise of 4 ranks on 2 cores. A barrier would forbid the overlap in every step;
-    on a loaded machine (4 ranks on 2 cores) some steps lose it to scheduling alone, so the
-    claim is that it shows in at least a quarter of the 8 steps after the first."""
+    on a loaded machine (4 ranks on 2 cores) most steps can lose it to scheduling alone (a CI
+    run saw it in 1 of 8), so the claim is that it shows in at least one of the 8 steps after
+    the first."""
     trace = tmp_path / "t.json"
     done = ringtrain(
         "train",
@@ -89,7 +90,7 @@ def test_last_stage_allreduce_starts_while_stage_0_still_runs_its_last_backward(
             e["ts"] + e["dur"] for e in mine if e["tid"] == 0 and e["name"].startswith("0B")
         )
         overlapping += allreduce < backward_end
-    assert overlapping >= 2, overlapping
+    assert overlapping >= 1, overlapping
 
 
 @pytest.mark.parametrize(
