@@ -173,14 +173,19 @@ def engine_for(model, data: Dataset | UserData, cfg: TrainConfig, world_size: in
     """What builds the engine once the runtime runs; a graph that cannot be cut as asked is
     refused here, before it starts, alike on every rank. `pipeline` and `model` on one rank
     still run stages (all of them on that rank)."""
+    # one replica (of the model, or of each stage) has nothing to divide
+    sharded = cfg.shard_optimizer and world_size > pp_size_of(cfg, world_size)
+    if sharded:
+        from ringtrain.dataparallel.sharded import check_shardable
+
+        check_shardable(model.optimizer, model.trainable_variables)
     if not runs_stages(cfg):
         from ringtrain.dataparallel.engine import DataParallelEngine
 
         engine = DataParallelEngine
-        if cfg.shard_optimizer and world_size > 1:  # one replica: nothing to divide
-            from ringtrain.dataparallel.sharded import ShardedDataParallelEngine, check_shardable
+        if sharded:
+            from ringtrain.dataparallel.sharded import ShardedDataParallelEngine
 
-            check_shardable(model.optimizer, model.trainable_variables)
             engine = ShardedDataParallelEngine
         return lambda world: (engine(model, data, cfg, world), world.size)
     from ringtrain.keras_model.graph import split_graph
@@ -199,11 +204,9 @@ def engine_for(model, data: Dataset | UserData, cfg: TrainConfig, world_size: in
     plan.check_cuts(cfg.split_at.split(",") if cfg.split_at else None, stages)
 
     engine = PipelineEngine
-    if cfg.shard_optimizer and world_size > pp_size_of(cfg, world_size):
-        from ringtrain.dataparallel.sharded import check_shardable
+    if sharded:
         from ringtrain.pipeline.sharded import ShardedPipelineEngine
 
-        check_shardable(model.optimizer, model.trainable_variables)
         engine = ShardedPipelineEngine
 
     def make(world):

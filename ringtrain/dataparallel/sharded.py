@@ -114,7 +114,8 @@ class FlatLayout:
         self.offsets = [int(x) for x in np.cumsum([0, *self.sizes[:-1]])]
         self.total, self.ranks = sum(self.sizes), ranks
         self.bounds = owner_bounds(self.sizes, ranks)
-        self.starts = [sum(self.sizes[:b]) for b in self.bounds]
+        ends = [*self.offsets, self.total]
+        self.starts = [ends[b] for b in self.bounds]
         self.shard = max(b - a for a, b in zip(self.starts, self.starts[1:], strict=False))
 
     def owned(self, rank: int) -> range:
@@ -180,7 +181,7 @@ class ShardedUpdate:
         rank: int,
         ranks: int,
         fp16: bool,
-        chunk_bytes: int = CHUNK_BYTES,
+        bucket_mb: float | None = None,
         process_set=None,
     ):
         self.hvd, self.trainable, self.rank, self.refusal = hvd, trainable, rank, None
@@ -190,6 +191,7 @@ class ShardedUpdate:
         self.compression = hvd.Compression.fp16 if fp16 else hvd.Compression.none
         self.global_clipnorm = optimizer.global_clipnorm
         self.layout = OptimizerLayout(optimizer, len(trainable))
+        chunk_bytes = int(bucket_mb * 2**20) if bucket_mb else CHUNK_BYTES  # --bucket-mb
         self.chunks = self.flat.chunks(chunk_bytes // 4)
         # Keras's own update of whole variables, so per-variable options (clipnorm) hold as
         # compiled; the global norm spans every rank's variables, so it is taken here.
@@ -308,29 +310,25 @@ class ShardedUpdate:
         scale = clip * tf.minimum(1.0 / norm, 1.0 / clip) + (norm - norm)
         return [g * scale for g in grads]
 
-    def state(self) -> dict[str, ReadWhenWritten]:
-        """This rank's slots, under their names in the whole optimizer's layout; replica 0
-        adds the optimizer's own variables (step count, learning rate)."""
-        found = {}
-        owned = list(self.flat.owned(self.rank))
+    def _held(self, own: bool) -> list[tuple[str, object]]:
+        """(name in the whole optimizer's layout, variable) of this rank's slots, and of the
+        optimizer's own variables (step count, learning rate) if `own`."""
+        owned, first = self.flat.owned(self.rank), self.flat.bounds[self.rank]
+        found = []
         for position, where in enumerate(self.layout.positions):
-            if where[0] == "own" and self.rank == 0:
-                found[optimizer_key(position)] = ReadWhenWritten(self.own[where[1]])
+            if where[0] == "own" and own:
+                found.append((optimizer_key(position), self.own[where[1]]))
             elif where[0] == "slot" and where[2] in owned:
-                slot = self.slots[where[1]][owned.index(where[2])]
-                found[optimizer_key(position)] = ReadWhenWritten(slot)
+                found.append((optimizer_key(position), self.slots[where[1]][where[2] - first]))
         return found
+
+    def state(self) -> dict[str, ReadWhenWritten]:
+        """This rank's slots; replica 0 adds the optimizer's own variables."""
+        return {key: ReadWhenWritten(v) for key, v in self._held(own=self.rank == 0)}
 
     def load(self, state: dict[str, np.ndarray]) -> None:
         """Take this rank's variables' slots from a whole optimizer's state (checkpoint layout)."""
-        owned, pairs = list(self.flat.owned(self.rank)), []
-        for position, where in enumerate(self.layout.positions):
-            key = optimizer_key(position)
-            if where[0] == "own":
-                pairs.append((key, self.own[where[1]]))
-            elif where[2] in owned:
-                pairs.append((key, self.slots[where[1]][owned.index(where[2])]))
-        assign_checked(state, pairs)
+        assign_checked(state, self._held(own=True))
 
 
 class ShardedCheckpoint:
@@ -378,7 +376,7 @@ class ShardedDataParallelEngine(ShardedCheckpoint, DataParallelEngine):
             world.rank,
             world.size,
             self.cfg.fp16_allreduce,
-            int(self.cfg.bucket_mb * 2**20) if self.cfg.bucket_mb else CHUNK_BYTES,
+            self.cfg.bucket_mb,
         )
         return self.update.optimizer
 

@@ -6,7 +6,6 @@ replicas, updates the rank's own variables, and all-gathers them (dataparallel.s
 from __future__ import annotations
 
 from ringtrain.dataparallel.sharded import (
-    CHUNK_BYTES,
     ShardedCheckpoint,
     ShardedUpdate,
     shard_groups,
@@ -33,7 +32,7 @@ class ShardedPipelineEngine(ShardedCheckpoint, PipelineEngine):
             self.dp_rank,
             self.dp_size,
             cfg.fp16_allreduce,
-            int(cfg.bucket_mb * 2**20) if cfg.bucket_mb else CHUNK_BYTES,
+            cfg.bucket_mb,
             process_set=self.stage_set,
         )
         self.nothing = tf.constant(0.0)
