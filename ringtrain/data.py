@@ -153,6 +153,7 @@ class UserData:
         if asked == "auto":
             asked = "file" if files >= readers else "data"
         if asked != "file":
+            self._shared_by(readers)
             return data_policy(asked, "files")
         if files < readers:
             raise UserError(
@@ -160,7 +161,13 @@ class UserData:
                 "replicas); give at least one file per reader, or --shard-policy data"
             )
         self.policy, self.readers = "file", readers
+        self._shared_by(1)
         return "file"
+
+    def _shared_by(self, readers: int) -> None:
+        files = getattr(self.reader, "files", None)  # .npy shards are memory maps instead
+        if files is not None:
+            files.shared_by(readers)
 
     @property
     def n_examples(self) -> int:

@@ -9,6 +9,15 @@ strategy and rank count, --shuffle reorders them file by file within a buffer as
 on, with `pread` (no memory map: its resident memory stays a batch's, however large the
 files), and parses them in parallel in tf.data within its share of the cores.
 
+A shuffled batch's records lie scattered through a window of the file, and each read alone
+costs the kernel a request of its own. Where few readers share the records
+(`CHUNKED_READERS`), a reader instead asks the kernel for the whole chunk around a record
+(`posix_fadvise(WILLNEED)`, one large request) the first time it needs a record from it; the
+window's later batches find theirs in the page cache, which is not the reader's resident
+memory. With N readers taking shares of every batch, each asks for all of a window's chunks,
+so the disk reads up to N times the records' bytes (once per node, where the ranks of a node
+share its page cache).
+
 The parse function is the user's: `parse(serialized) -> (features, label)`, called per record,
 as in `TFRecordDataset(files).map(parse)`. Shapes and dtypes are those of the first record;
 any record that differs, or fails to parse, is named with its file and index.
@@ -32,6 +41,9 @@ from ringtrain.shards import matching_files
 HEADER = struct.Struct("<QI")  # the record's length and the length's masked CRC-32C
 FOOTER_BYTES = 4  # the data's masked CRC-32C
 OPEN_FILES = 4
+CHUNK_BYTES = 256 * 1024  # what a reader asks for around a record: about 20 images of 12 KB
+CHUNKED_READERS = 4  # with more readers sharing the records, chunks would read too much
+ASKED_CHUNKS = 1024  # chunks remembered as asked for: 256 MiB, more than a shuffle window
 
 
 def record_offsets(path: str, flag: str) -> np.ndarray:
@@ -72,7 +84,13 @@ class RecordFiles:
         self.rows = [len(o) for o in self.offsets]
         self.starts = np.cumsum([0, *self.rows])
         self._open: OrderedDict[int, int] = OrderedDict()
+        self._asked: OrderedDict[tuple[int, int], None] = OrderedDict()
         self._lock = threading.Lock()
+        self.chunked = True  # ask the kernel for whole chunks (see the module's docstring)
+
+    def shared_by(self, readers: int) -> None:
+        """`readers` read shares of every batch: whole chunks only while they are few."""
+        self.chunked = readers <= CHUNKED_READERS
 
     def __len__(self) -> int:
         return int(self.starts[-1])
@@ -87,16 +105,30 @@ class RecordFiles:
         files = np.searchsorted(self.starts, indices, side="right") - 1
         out: list[bytes] = []
         for index, f in zip(indices.tolist(), files.tolist(), strict=True):
-            offset, length = self.offsets[f][index - self.starts[f]]
-            data = os.pread(self._descriptor(f), int(length), int(offset))
+            offset, length = (int(v) for v in self.offsets[f][index - self.starts[f]])
+            data = os.pread(self._descriptor(f, offset, length), length, offset)
             if len(data) != length:
                 raise UserError(f"{self.flag}: {self.where(index)} is cut short")
             out.append(data)
         return out
 
-    def _descriptor(self, f: int) -> int:
+    def _descriptor(self, f: int, offset: int, length: int) -> int:
+        """File f's descriptor, its chunks around [offset, offset + length) asked for."""
         with self._lock:  # the read-ahead thread and the step's own reads share the files
-            return self._opened(f)
+            descriptor = self._opened(f)
+            if self.chunked:
+                for chunk in range(offset // CHUNK_BYTES, (offset + length) // CHUNK_BYTES + 1):
+                    self._ask(descriptor, f, chunk)
+            return descriptor
+
+    def _ask(self, descriptor: int, f: int, chunk: int) -> None:
+        if (f, chunk) in self._asked:
+            self._asked.move_to_end((f, chunk))
+            return
+        self._asked[(f, chunk)] = None
+        if len(self._asked) > ASKED_CHUNKS:
+            self._asked.popitem(last=False)
+        os.posix_fadvise(descriptor, chunk * CHUNK_BYTES, CHUNK_BYTES, os.POSIX_FADV_WILLNEED)
 
     def _opened(self, f: int) -> int:
         if f in self._open:

@@ -503,7 +503,9 @@ def test_a_failing_data_function_and_labels_beyond_the_model_are_said_in_one_lin
 
 def test_make_synthetic_writes_the_same_examples_as_tfrecord_and_npy(tmp_path):
     """`ringtrain data make-synthetic` in both formats from one seed: the shipped parse function
-    reads the TFRecord files to the .npy shards' arrays; a folder that holds shards is kept."""
+    reads the TFRecord files to the .npy shards' arrays, in a shuffled order too, whether the
+    reader asks for whole chunks (few readers) or reads record by record (many); a folder that
+    holds shards is kept."""
     from ringtrain.records import parsed_records
     from ringtrain.synthetic_files import parse_image
 
@@ -521,6 +523,13 @@ def test_make_synthetic_writes_the_same_examples_as_tfrecord_and_npy(tmp_path):
     np.testing.assert_array_equal(images, x[np.arange(700)])
     np.testing.assert_array_equal(labels, y[np.arange(700)])
     assert set(labels) == {0, 1, 2, 3}
+    shuffled = np.random.default_rng(0).permutation(700)[:300]
+    for readers, chunked in ((2, True), (8, False)):
+        records.files.shared_by(readers)
+        assert records.files.chunked is chunked
+        images, labels = records.examples().take(shuffled)
+        np.testing.assert_array_equal(images, x[shuffled])
+        np.testing.assert_array_equal(labels, y[shuffled])
     again = run([str(BIN / "ringtrain"), "data", "make-synthetic", str(tmp_path / "npy"), *flags])
     said_once(again, EXIT_USAGE, "already holds shards (x-00000.npy)", "data make-synthetic")
 

@@ -32,8 +32,10 @@ def main(pattern: str, seconds: float) -> None:
 
     tf.config.threading.set_intra_op_parallelism_threads(1)  # a bench rank's share
     tf.config.threading.set_inter_op_parallelism_threads(1)
-    from ringtrain.data import epoch_batches
+    from ringtrain.config import TrainConfig
+    from ringtrain.data import batches_of
     from ringtrain.records import parsed_records
+    from ringtrain.shards import shard_order
     from ringtrain.synthetic_files import parse_image
 
     started, disk = time.perf_counter(), read_bytes()
@@ -41,7 +43,8 @@ def main(pattern: str, seconds: float) -> None:
     indexed, cpu, disk_indexed = time.perf_counter(), time.process_time(), read_bytes()
     examples = records.examples()
     count, until = 0, indexed + seconds
-    for batch in epoch_batches(records.n_examples, BATCH, SEED, 0):
+    order = shard_order(records.files.rows, SEED, 0, TrainConfig().shuffle_buffer)
+    for batch in batches_of(order, BATCH, False):
         images, _ = examples.take(batch)
         count += len(images)
         if time.perf_counter() > until:
