@@ -7,7 +7,8 @@ then read by index like a row of an array: global batch t takes the same records
 strategy and rank count, --shuffle reorders them file by file within a buffer as it does
 `.npy` shards, and a resumed run starts at any step. A rank reads only the records it trains
 on, with `pread` (no memory map: its resident memory stays a batch's, however large the
-files), and parses them in parallel in tf.data within its share of the cores.
+files), and parses them as one batch: the parse function vectorized (pfor), or else in
+parallel in tf.data within its share of the cores.
 
 A shuffled batch's records lie scattered through a window of the file, and each read alone
 costs the kernel a request of its own. Where few readers share the records
@@ -25,6 +26,7 @@ any record that differs, or fails to parse, is named with its file and index.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import struct
@@ -159,6 +161,7 @@ class ParsedRecords(ReadAhead):
         # Traced once: a Dataset built per batch traced `parse` anew each time, which cost
         # four times the parsing itself (20 ms against 5 for 128 images of 64x64x3).
         self._parsed = tf.function(self._parsed_graph, reduce_retracing=True)
+        self.vectorized = True  # until the parse function is found not to vectorize
         first = self._batch(np.arange(1))
         if not (isinstance(first, tuple) and len(first) == 2):
             raise UserError(f"{flag}: the parse function must return (features, label)")
@@ -203,9 +206,20 @@ class ParsedRecords(ReadAhead):
         return tf.nest.map_structure(np.asarray, parsed)
 
     def _parsed_graph(self, records):
-        """The records parsed in parallel by tf.data and batched whole, inside one graph."""
+        """The records parsed as one batch inside one graph: the parse function vectorized over
+        them (TensorFlow's pfor: one parse op for the batch, not one per record), or where it
+        cannot be, parsed record by record in parallel by tf.data and batched whole."""
         from ringtrain.tensorflow_loader import tf
 
+        if self.vectorized:
+            quiet = logging.getLogger("tensorflow")
+            level, quiet.level = quiet.level, logging.ERROR  # pfor's note on each looped op
+            try:
+                return tf.vectorized_map(self.parse, records, fallback_to_while_loop=True)
+            except Exception:  # noqa: BLE001 - any op pfor cannot take: the map below
+                self.vectorized = False
+            finally:
+                quiet.level = level
         return (
             tf.data.Dataset.from_tensor_slices(records)
             .map(self.parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
@@ -233,6 +247,7 @@ class ParsedRecords(ReadAhead):
 
 TF_OP_NAMES = re.compile(r"\{\{[^}]*\}\}\s*")
 TF_MAP_PREFIX = re.compile(r"^.*transformation with iterator: [\w:]+: ")
+TF_WHERE = ("Detected at node", "File ", "[[")  # a graph error's lines on where, not what
 
 
 def _said(exc: Exception) -> str:
@@ -243,8 +258,12 @@ def _said(exc: Exception) -> str:
         return type(exc).__name__
     if lines[0].startswith("in user code:"):  # a Python error while tracing: its last line
         return lines[-1]
-    # a graph's error: a header and where the op was made, then the map's line that says it
-    said = next((line for line in lines if TF_MAP_PREFIX.match(line)), lines[0])
+    # a graph's error: a header and where the op was made, then the line that says it (the
+    # map's, in tf.data)
+    said = next((line for line in lines if TF_MAP_PREFIX.match(line)), None)
+    if said is None:
+        told = [line for line in lines[1:] if not line.startswith(TF_WHERE)]
+        said = told[0] if lines[0].startswith("Graph execution error") and told else lines[0]
     return TF_MAP_PREFIX.sub("", TF_OP_NAMES.sub("", said))
 
 
