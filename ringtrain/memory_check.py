@@ -235,9 +235,10 @@ def _around(
     copies of the trainable weights beside the gradients (Horovod's outputs and the averaged
     step's) and Horovod's fusion buffer; and the optimizer step's temporaries. One process's
     compiled step frees each gradient once its update has run, so two of its largest weight
-    cover them; a stage's step holds each microbatch's gradients beside their sum, and updates
-    all its weights at once: 1 + slots/2 copies of them, and two more of its largest weight
-    (the old and the new sum of one variable's gradients, as a single large variable shows)."""
+    cover them; a stage adds each microbatch's gradients into their sums as they are made, but
+    its step starts from all of the sums at once and TensorFlow updates its variables side by
+    side: 1 + slots/2 copies of its weights, and two more of its largest weight (the old and
+    the new sum of one variable's gradients, as a single large variable shows)."""
     fusion = int(os.environ.get("HOROVOD_FUSION_THRESHOLD", HOROVOD_FUSION_BYTES))
     temporaries = 2 * largest + ((1 + facts.slots / 2) * trainable if stages else 0)
     return {
