@@ -367,12 +367,17 @@ class SlurmCluster:
             time.sleep(0.5)
 
     def _start_daemon(self, name: str, argv: list[str], pid_file: Path) -> None:
-        """Every daemon forks into the background by itself; its PID comes from its PID file."""
+        """Every daemon forks into the background by itself; its PID comes from its PID file.
+        One killed by a signal as it starts is started once more: under load a slurmd healed
+        after a fault died of SIGPIPE when munged's socket timed out on it."""
         env = {**self.env, "PATH": f"/usr/sbin:/sbin:{self.env.get('PATH', '')}"}
-        with open(self.root / "log" / f"{name}.start", "w") as out:
-            done = subprocess.run(
-                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env, timeout=30
-            )
+        for _ in range(2):
+            with open(self.root / "log" / f"{name}.start", "w") as out:
+                done = subprocess.run(
+                    argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env, timeout=30
+                )
+            if done.returncode >= 0:  # it ended by itself: started, or said why not
+                break
         if done.returncode != 0:
             raise SlurmError(f"{name} exited {done.returncode}\n{self.logs()}")
         deadline = time.monotonic() + 15
