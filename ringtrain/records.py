@@ -213,13 +213,14 @@ class ParsedRecords(ReadAhead):
 
         if self.vectorized:
             quiet = logging.getLogger("tensorflow")
-            level, quiet.level = quiet.level, logging.ERROR  # pfor's note on each looped op
+            level = quiet.level
+            quiet.setLevel(logging.ERROR)  # pfor's note on each looped op
             try:
                 return tf.vectorized_map(self.parse, records, fallback_to_while_loop=True)
             except Exception:  # noqa: BLE001 - any op pfor cannot take: the map below
                 self.vectorized = False
             finally:
-                quiet.level = level
+                quiet.setLevel(level)
         return (
             tf.data.Dataset.from_tensor_slices(records)
             .map(self.parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
