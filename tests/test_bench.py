@@ -198,26 +198,31 @@ def test_bench_strategies_quick(tmp_path):
 @pytest.mark.mpi
 def test_bench_pipeline_sizes_quick(tmp_path):
     """One process and two 2-stage pipelines (the default backward and --recompute), each a
-    `ringtrain train` launch, take every round; each pipeline reports its bubble, and every
-    ratio is to the one process of its own round."""
+    `ringtrain train` launch, take every round, and 1F1B launches at 1 example per
+    microbatch too; each pipeline reports its bubble, 1F1B its fixed cost per action, and
+    every ratio is to the one process of its own round."""
     report = quick_bench("pipeline-sizes", tmp_path)
     rows = report["raw"]
     expected = {
         f"transformer {name} @ 256"
         for name in ("single 1 thread", "1f1b M=8", "1f1b M=8 recompute")
-    }
+    } | {"transformer 1f1b M=8 @ 8"}
     assert set(rounds_per_contender(rows)) == expected
     assert all(r == QUICK for r in rounds_per_contender(rows).values())
     assert all(r["samples_per_sec"] > 0 for r in rows)
     by_name = {e["name"]: e for e in report["summary"]}
+    assert len(report["summary"]) == 3  # the 1-example launches are no contender
     assert by_name["single 1 thread"]["vs_single_per_round"] == [1.0] * len(QUICK)
     for name in ("1f1b M=8", "1f1b M=8 recompute"):
         assert 0 <= by_name[name]["bubble_measured_median"] < 1
-        assert by_name[name]["fixed_ms_per_microbatch_median"] > 0
         assert by_name[name]["call_floor_ms_median"] > 0
-        profile = by_name[name]["fixed_ms_per_action_median"]  # action by action, per stage
-        assert set(profile) == {"0", "1"} and profile["0"]["F"] > 0 and profile["1"]["B"] > 0
         assert len(by_name[name]["vs_single_per_round"]) == len(QUICK)
+    profile = by_name["1f1b M=8"]["fixed_ms_per_action_median"]  # action by action, per stage
+    assert profile["0"].keys() == {"F", "SA", "RG", "B"}
+    assert profile["1"].keys() == {"RA", "F", "B", "SG"}
+    assert profile["0"]["F"] > 0 and profile["1"]["B"] > 0
+    fixed = by_name["1f1b M=8"]["fixed_ms_per_microbatch_median"]
+    assert fixed == max(sum(ops.values()) for ops in profile.values())
 
 
 @pytest.mark.mpi

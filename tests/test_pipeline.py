@@ -213,7 +213,8 @@ def test_cli_refuses_a_bad_schedule_file_in_one_line(tmp_path, ranks, micro, swa
 def test_kept_activations_give_a_tapes_gradients():
     """The forward/backward pair a stage calls without a tape (TensorFlow's own, reached
     through a private class: pinned, so a change of TensorFlow's shows here first) gives a
-    tape's gradients, for the input and, summed over two microbatches, for every weight."""
+    tape's gradients, for the input and, summed over the microbatches, for every weight.
+    Their sizes differ, as a partial batch's do: a third size reuses the relaxed trace."""
     import numpy as np
 
     from ringtrain.keras_model.graph import split_graph
@@ -224,15 +225,16 @@ def test_kept_activations_give_a_tapes_gradients():
     model = compile_classifier(transformer((8, 8, 1), 10))
     plan = GraphPlan(model, split_graph(model, np.zeros((4, 8, 8, 1), np.float32)))
     bounds = [(0, 1), (1, 3), (3, 4)]  # a middle stage and a last one
-    share = np.float32(0.5)  # each of two microbatches: half the batch
+    share = np.float32(0.25)  # each of four microbatches
     for index in (1, 2):
-        stage = plan.build(index, bounds, microbatches=2)
-        batches = [plan.stand_in(bounds, index, 5) for _ in range(2)]
-        y = tf.constant(np.arange(5) % 10)
+        stage = plan.build(index, bounds, microbatches=4)
         expected_sums, input_grads = None, []
-        for x in batches:
+        for size in (5, 3, 4, 3):
+            x, y = plan.stand_in(bounds, index, size), tf.constant(np.arange(size) % 10)
             upstream = (
-                None if stage.last else (tf.random.stateless_normal((5, 8, 32), seed=(index, 1)),)
+                None
+                if stage.last
+                else (tf.random.stateless_normal((size, 8, 32), seed=(index, size)),)
             )
             with tf.GradientTape() as tape:
                 tape.watch(x)

@@ -13,6 +13,12 @@ with Adam, at 256. Each measurement is one `ringtrain train` launch, timed by it
 
 Contenders alternate, round after round, in a shifted order. Every ratio is taken against the
 one process of the same round and batch, so drift over the run cancels.
+
+A microbatch's fixed cost is measured as the issue of it defines it: 1F1B at M = 4 and 8 and
+ZB-H1 at M = 8 also launch at a global batch of M, one example per microbatch, and each of a
+stage's actions per microbatch (F, B or BI and BW, its send and receive) is taken at its own
+work there (its wait left out), less one example's compute: how much the action's own work
+grows per example up to the timed launch's microbatch.
 """
 
 from __future__ import annotations
@@ -53,6 +59,12 @@ PIPELINES = {  # contender -> its train flags
     "zb-h1 M=8 recompute": ["--schedule", "zb-h1", "--microbatches", "8", "--recompute"],
 }
 QUICK_PIPELINES = ["1f1b M=8", "1f1b M=8 recompute"]
+# The contenders whose fixed cost is measured: each also launches at a global batch of M, so
+# that every microbatch holds one example, and its actions' own work is what one costing a
+# single example pays.
+ONE_EXAMPLE = ["1f1b M=4", "1f1b M=8", "zb-h1 M=8"]
+ONE_EXAMPLE_STEPS = 40
+PER_MICROBATCH = ("F", "B", "BI", "BW", "SA", "SG", "RA", "RG")  # a stage's, per microbatch
 
 
 def _command(workload: str, contender: str, batch: int, steps: int) -> list[str]:
@@ -74,54 +86,86 @@ def _command(workload: str, contender: str, batch: int, steps: int) -> list[str]
 
 def measure(args: argparse.Namespace) -> dict:
     """Every (workload, batch, contender) launch in turn, round after round, in a shifted
-    order."""
+    order; in each round, each of ONE_EXAMPLE's launches at 1 example per microbatch too."""
     sizes = QUICK_STEPS if args.quick else {w: steps for w, (_, steps, _) in WORKLOADS.items()}
     names = [SINGLE, *(QUICK_PIPELINES if args.quick else PIPELINES)]
     limit = time.monotonic() + deadline(args.quick)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
+
+        def launch(round_index: int, workload: str, contender: str, batch: int, steps: int):
+            metrics = train_metrics(_command(workload, contender, batch, steps), limit, tmp)
+            calibration = metrics.get("calibration", {})
+            rows.append(
+                {
+                    "round": round_index,
+                    "contender": f"{workload} {contender} @ {batch}",
+                    "workload": workload,
+                    "name": contender,
+                    "global_batch": batch,
+                    "samples_per_sec": metrics["samples_per_sec"],
+                    "bubble_measured": metrics.get("bubble_measured"),
+                    "step_time_measured": metrics.get("step_time_measured"),
+                    "own_ms_per_action": own_per_action(calibration),
+                    "call_floor_ms": calibration.get("call_floor_ms"),
+                }
+            )
+
         for round_index in range(args.rounds):
             shift = round_index % len(names)
             for workload, steps in sizes.items():
                 for batch, count in steps.items():
                     for contender in names[shift:] + names[:shift]:
-                        command = _command(workload, contender, batch, count)
-                        metrics = train_metrics(command, limit, tmp)
-                        calibration = metrics.get("calibration", {})
-                        fixed = calibration.get("fixed_ms_per_microbatch")
-                        rows.append(
-                            {
-                                "round": round_index,
-                                "contender": f"{workload} {contender} @ {batch}",
-                                "workload": workload,
-                                "name": contender,
-                                "global_batch": batch,
-                                "samples_per_sec": metrics["samples_per_sec"],
-                                "bubble_measured": metrics.get("bubble_measured"),
-                                "step_time_measured": metrics.get("step_time_measured"),
-                                # the stage that pays most, per microbatch, whatever its size
-                                "fixed_ms_per_microbatch": max(fixed.values()) if fixed else None,
-                                "fixed_ms_per_action": fixed_per_action(calibration),
-                                "call_floor_ms": calibration.get("call_floor_ms"),
-                            }
-                        )
+                        launch(round_index, workload, contender, batch, count)
+                for contender in (c for c in ONE_EXAMPLE if c in names):
+                    batch = microbatches(contender)
+                    launch(round_index, workload, contender, batch, ONE_EXAMPLE_STEPS)
     return summarise(rows) | {
         "rounds": args.rounds,
         "steps_per_launch": {w: {str(b): n for b, n in s.items()} for w, s in sizes.items()},
+        "one_example_steps": ONE_EXAMPLE_STEPS,
         "workloads": {w: WORKLOADS[w][2] for w in sizes},
     }
 
 
-def fixed_per_action(calibration: dict) -> dict[str, dict[str, float]] | None:
-    """Per stage and kind of action, the median fixed milliseconds one action paid: the
-    profile of a microbatch's fixed cost, action by action."""
+def microbatches(contender: str) -> int:
+    flags = PIPELINES[contender]
+    return int(flags[flags.index("--microbatches") + 1])
+
+
+def own_per_action(calibration: dict) -> dict[str, dict[str, float]] | None:
+    """Per stage and kind of action, the median milliseconds of one action's own work (its
+    compute and fixed cost, its wait left out)."""
     costs = calibration.get("action_costs_ms")
     if costs is None:
         return None
     return {
-        stage: {op: split["fixed_ms"] for op, split in ops.items()}
+        stage: {op: split["compute_ms"] + split["fixed_ms"] for op, split in ops.items()}
         for stage, ops in costs.items()
         if int(stage) >= 0
+    }
+
+
+def fixed_per_action(one: dict, full: dict, examples: int) -> dict[str, dict[str, float]]:
+    """A microbatch's fixed cost per stage and kind of action: the action's own work on one
+    example (`one`), less one example's compute, the growth of its own work per example up
+    to the contender's `examples` per microbatch (`full`)."""
+    fixed: dict[str, dict[str, float]] = {}
+    for stage, ops in one.items():
+        for op, alone in ops.items():
+            if op not in PER_MICROBATCH:
+                continue
+            per_example = max(0.0, (full[stage][op] - alone) / max(1, examples - 1))
+            fixed.setdefault(stage, {})[op] = alone - per_example
+    return fixed
+
+
+def _median_own(runs: list[dict]) -> dict[str, dict[str, float]]:
+    """Per stage and kind of action, the median over launches of its own work."""
+    first = runs[0]["own_ms_per_action"]
+    return {
+        stage: {op: median(r["own_ms_per_action"][stage][op] for r in runs) for op in ops}
+        for stage, ops in first.items()
     }
 
 
@@ -129,26 +173,39 @@ def summarise(rows: list[dict]) -> dict:
     """Per workload and batch: each contender's samples/s and its ratio to that round's one
     process."""
     summary = []
-    for workload, batch in dict.fromkeys((r["workload"], r["global_batch"]) for r in rows):
-        mine = [r for r in rows if (r["workload"], r["global_batch"]) == (workload, batch)]
+    timed = [r for r in rows if not _one_example(r)]
+    for workload, batch in dict.fromkeys((r["workload"], r["global_batch"]) for r in timed):
+        mine = [r for r in timed if (r["workload"], r["global_batch"]) == (workload, batch)]
         single = f"{workload} {SINGLE} @ {batch}"
         entries = summarise_contenders(mine, "samples_per_sec", single, "vs_single")
         for entry in entries:
             runs = [r for r in mine if r["contender"] == entry["contender"]]
-            entry |= {"name": runs[0]["name"], "workload": workload, "global_batch": batch}
-            if runs[0]["bubble_measured"] is not None:
-                entry["bubble_measured_median"] = median(r["bubble_measured"] for r in runs)
-                fixed = median(r["fixed_ms_per_microbatch"] for r in runs)
-                entry["fixed_ms_per_microbatch_median"] = fixed
-                entry["call_floor_ms_median"] = median(r["call_floor_ms"] for r in runs)
-                entry["fixed_ms_per_action_median"] = {
-                    stage: {
-                        op: median(r["fixed_ms_per_action"][stage][op] for r in runs) for op in ops
-                    }
-                    for stage, ops in runs[0]["fixed_ms_per_action"].items()
-                }
+            name = runs[0]["name"]
+            entry |= {"name": name, "workload": workload, "global_batch": batch}
+            if runs[0]["bubble_measured"] is None:
+                continue
+            entry["bubble_measured_median"] = median(r["bubble_measured"] for r in runs)
+            entry["call_floor_ms_median"] = median(r["call_floor_ms"] for r in runs)
+            ones = [
+                r
+                for r in rows
+                if _one_example(r) and (r["workload"], r["name"]) == (workload, name)
+            ]
+            if ones:
+                examples = batch // microbatches(name)
+                profile = fixed_per_action(_median_own(ones), _median_own(runs), examples)
+                entry["fixed_ms_per_action_median"] = profile
+                # the stage that pays most
+                entry["fixed_ms_per_microbatch_median"] = max(
+                    sum(ops.values()) for ops in profile.values()
+                )
         summary += entries
     return {"raw": rows, "summary": summary}
+
+
+def _one_example(row: dict) -> bool:
+    """Whether a launch put one example in each microbatch (it measures the fixed cost)."""
+    return row["name"] != SINGLE and row["global_batch"] == microbatches(row["name"])
 
 
 def describe(report: dict) -> list[str]:
@@ -160,6 +217,7 @@ def describe(report: dict) -> list[str]:
         )
         if "bubble_measured_median" in e:
             line += f"  bubble {e['bubble_measured_median']:.2f}"
+        if "fixed_ms_per_microbatch_median" in e:
             line += f"  fixed {e['fixed_ms_per_microbatch_median']:.2f} ms/microbatch"
             line += f" (empty call {e['call_floor_ms_median']:.2f} ms)"
         lines.append(line)

@@ -31,9 +31,10 @@ from tensorflow.python.eager.polymorphic_function import concrete_function
 from tensorflow.python.framework import ops
 
 
-def call_key(args: tuple) -> tuple[tuple, list, tuple]:
-    """(args with numpy values as tensors, the tensors in order, a key of every tensor's
-    dtype and shape and every other value): what picks a traced function."""
+def call_key(args: tuple) -> tuple[list, tuple]:
+    """(the tensors in order, a key of every tensor's dtype and shape and every other value):
+    what picks a traced function. A numpy value counts as a tensor, as a tf.function takes
+    it; `as_traced` makes the arguments a trace takes."""
     leaves = [  # numpy values are tensors to a tf.function, as Python numbers are not
         tf.convert_to_tensor(leaf) if isinstance(leaf, np.ndarray | np.generic) else leaf
         for leaf in tf.nest.flatten(args)
@@ -43,7 +44,28 @@ def call_key(args: tuple) -> tuple[tuple, list, tuple]:
         (leaf.dtype, leaf._shape_tuple()) if isinstance(leaf, tf.Tensor) else leaf
         for leaf in leaves
     )
-    return tf.nest.pack_sequence_as(args, leaves), tensors, key
+    return tensors, key
+
+
+def as_traced(args: tuple) -> tuple:
+    """The arguments with numpy values as tensors: only a trace needs them packed again,
+    which costs more than a small stage's call to do on every one."""
+    return tf.nest.map_structure(
+        lambda leaf: (
+            tf.convert_to_tensor(leaf) if isinstance(leaf, np.ndarray | np.generic) else leaf
+        ),
+        args,
+    )
+
+
+def pack_outputs(structure, values: list):
+    """`values` in `structure`'s nesting: a flat tuple or a single tensor directly, as tf.nest
+    takes several times a small stage's dispatch of one op to do it."""
+    if isinstance(structure, tf.Tensor):
+        return values[0]
+    if type(structure) is tuple and all(isinstance(s, tf.Tensor) for s in structure):
+        return tuple(values[: len(structure)])
+    return tf.nest.pack_sequence_as(structure, values[: len(tf.nest.flatten(structure))])
 
 
 class CompiledCall:
@@ -56,11 +78,13 @@ class CompiledCall:
     def __call__(self, *args):
         if not tf.executing_eagerly():  # inside another graph: that graph's call, traced once
             return self.function(*args)
-        args, tensors, key = call_key(args)
-        concrete = self.concrete.get(key)
-        if concrete is None:
-            concrete = self.concrete[key] = self.function.get_concrete_function(*args)
-        return concrete._call_flat(tensors, concrete.captured_inputs)
+        tensors, key = call_key(args)
+        found = self.concrete.get(key)
+        if found is None:
+            concrete = self.function.get_concrete_function(*as_traced(args))
+            found = self.concrete[key] = (concrete, concrete.captured_inputs)
+        concrete, captured = found
+        return concrete._call_flat(tensors, captured)
 
 
 @dataclass
@@ -75,7 +99,10 @@ class _Pair:
     backward: object  # a concrete function: output gradients in, input gradients out
     feeds: list[int | None]  # per backward capture: the forward output it is, or None
     variables: list[int | None]  # per weight: its input position (None: unused, no gradient)
-    backward_calls: dict = field(default_factory=dict)  # first -> the backward and the sums
+    values: list  # a TensorSpec per forward output: what the backward is traced for
+    relaxed: bool  # whether the trace takes any batch size (a partial batch's microbatches)
+    # first -> the backward that also adds into the sums, and its captured inputs
+    backward_calls: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -93,29 +120,34 @@ class KeptPair:
         """`add_into_sums(grads, first)` adds the weights' gradients into the sums inside the
         backward's graph and returns what it kept aside (an embedding's slices)."""
         self.function, self.variables, self.add_into_sums = function, list(variables), add_into_sums
-        self.pairs: dict[tuple, _Pair] = {}
+        self.pairs: dict[tuple, _Pair] = {}  # by the arguments' key
+        # by traced function: once shapes relax, arguments of a new shape reuse a trace, and
+        # a second pair built on one trace would find the first's outputs added to its graph
+        self.traced: dict[str, _Pair] = {}
 
     def forward(self, *args) -> tuple[object, Kept]:
         """The function's outputs, and what its backward will need."""
-        args, tensors, key = call_key(args)
+        tensors, key = call_key(args)
         pair = self.pairs.get(key)
         if pair is None:
-            pair = self.pairs[key] = self._pair(args, tensors)
+            pair = self.pairs[key] = self._pair(as_traced(args), tensors)
         values = pair.forward.call_flat(*tensors, *pair.captured)
-        outputs = tf.nest.pack_sequence_as(pair.structure, values[: pair.n_outputs])
-        return outputs, Kept(pair, list(values))
+        return pack_outputs(pair.structure, values[: pair.n_outputs]), Kept(pair, list(values))
 
     def backward(self, kept: Kept, seeds: list | None, first: bool) -> tuple[list, dict]:
         """(gradients of the first argument's tensors, the kept-aside weight gradients),
         from the output gradients `seeds` (None: the output is a loss, seeded with one). The
         weights' gradients are written into the sums (`first`) or added to them."""
         pair = kept.pair
-        call = pair.backward_calls.get(first)
-        if call is None:  # the pair fixes every shape: one concrete function per `first`
+        found = pair.backward_calls.get(first)
+        if found is None:  # traced for the pair's shapes: one concrete function per `first`
             function = tf.function(lambda s, v: self._backward_graph(pair, s, v, first))
-            call = pair.backward_calls[first] = function.get_concrete_function(seeds, kept.values)
+            specs = None if seeds is None else [seed_spec(s, pair.relaxed) for s in seeds]
+            call = function.get_concrete_function(specs, pair.values)
+            found = pair.backward_calls[first] = (call, call.captured_inputs)
+        call, captured = found
         tensors = kept.values if seeds is None else [*seeds, *kept.values]
-        return call._call_flat(tensors, call.captured_inputs)
+        return call._call_flat(tensors, captured)
 
     def _backward_graph(self, pair: _Pair, seeds, values: list, first: bool):
         if seeds is None:
@@ -131,6 +163,12 @@ class KeptPair:
 
     def _pair(self, args: tuple, tensors: list) -> _Pair:
         concrete = self.function.get_concrete_function(*args)
+        name = concrete.name.decode() if isinstance(concrete.name, bytes) else concrete.name
+        if name not in self.traced:
+            self.traced[name] = self._new_pair(concrete, args, tensors)
+        return self.traced[name]
+
+    def _new_pair(self, concrete, args: tuple, tensors: list) -> _Pair:
         functions = concrete_function._FirstOrderTapeGradientFunctions(
             concrete._func_graph,
             concrete._attrs,
@@ -141,7 +179,8 @@ class KeptPair:
         )
         captured = list(concrete.captured_inputs)
         forward = functions.forward(tensors + captured, [])
-        made = {ops.tensor_id(t): i for i, t in enumerate(functions._forward_graph.outputs)}
+        outputs = functions._forward_graph.outputs
+        made = {ops.tensor_id(t): i for i, t in enumerate(outputs)}
         backward = functions._backward
         handles = {id(h): len(tensors) + j for j, h in enumerate(captured)}
         return _Pair(
@@ -153,4 +192,12 @@ class KeptPair:
             backward=backward,
             feeds=[made.get(ops.tensor_id(c)) for c in backward.captured_inputs],
             variables=[handles.get(id(v.value.handle)) for v in self.variables],
+            values=[tf.TensorSpec(t.shape, t.dtype) for t in outputs],
+            relaxed=not all(t.shape.is_fully_defined() for t in concrete.inputs[: len(tensors)]),
         )
+
+
+def seed_spec(seed, relaxed: bool) -> tf.TensorSpec:
+    """What a backward is traced for from an output gradient: any batch size when relaxed."""
+    shape = seed.shape.as_list()
+    return tf.TensorSpec([None, *shape[1:]] if relaxed and shape else shape, seed.dtype)

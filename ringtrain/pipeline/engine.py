@@ -49,6 +49,7 @@ from ringtrain.pipeline.profile import (
 )
 from ringtrain.pipeline.schedule import pipeline_schedule
 from ringtrain.pipeline.simulate import SimResult, simulate
+from ringtrain.pipeline.stage import share_tensors
 from ringtrain.pipeline.tags import message_tag
 from ringtrain.pipeline.trace import ALL, Trace
 from ringtrain.proc import resident_bytes
@@ -67,7 +68,7 @@ class Held:
 
     x: tf.Tensor
     y: tf.Tensor
-    share: float | None  # its share of the global batch's loss (None: an equal 1/M)
+    share: tf.Tensor  # its share of the global batch's loss
     kept: object | None  # its kept activations (calls.Kept); None when the backward recomputes
 
 
@@ -234,7 +235,7 @@ class PipelineEngine(Checkpointable):
         each action's compute. The stage's state and gradient sums are left as they were."""
         fixed = {}
         y = tf.nest.map_structure(tf.constant, take(self.train.y, np.arange(1)))
-        share = self.plan.loss_share(1, 1, 1)
+        share = share_tensors([self.plan.loss_share(1, 1, 1)])[0]
         for s, stage in self.local_stages.items():
             if stage.first:
                 x = stage.first_inputs(take(self.train.x, np.arange(1)))
@@ -279,10 +280,12 @@ class PipelineEngine(Checkpointable):
         mine = uneven_shard(global_indices, self.dp_rank, self.dp_size)
         micro = self.cfg.microbatches
         self.microbatches = [uneven_shard(mine, m, micro) for m in range(micro)]
-        self.shares = [
-            self.plan.loss_share(len(idx), len(global_indices), self.dp_size)
-            for idx in self.microbatches
-        ]
+        self.shares = share_tensors(
+            [
+                self.plan.loss_share(len(idx), len(global_indices), self.dp_size)
+                for idx in self.microbatches
+            ]
+        )
         for stage in self.local_stages.values():
             stage.grads = None
         self.loss, self.stepped = 0.0, 0

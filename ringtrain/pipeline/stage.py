@@ -78,7 +78,9 @@ class Stage:
         # Its own function: a concrete function once run under a tape carries that tape's
         # extra outputs, and the pair is built from the function's outputs as traced.
         self.kept = KeptPair(
-            tf.function(self._output, reduce_retracing=True), self.variables, self._add_into_sums
+            tf.function(self._output_keeping, reduce_retracing=True),
+            self.variables,
+            self._add_into_sums,
         )
         self._compiled_backward = CompiledCall(
             tf.function(self._recomputed_backward, reduce_retracing=True)
@@ -94,8 +96,6 @@ class Stage:
 
     def forward_keeping(self, x, y, share):
         """(the output, its kept activations) of one microbatch."""
-        if self.first:  # no gradient flows into the model's inputs: none is computed
-            x = tf.nest.map_structure(tf.stop_gradient, x)
         return self.kept.forward(x, y, share)
 
     def backward(self, kept, x, y, share, upstream):
@@ -164,7 +164,15 @@ class Stage:
         if not self.last:
             return outs
         y_pred = outs[0] if len(outs) == 1 else list(outs)
-        return self.model.compute_loss(y=y, y_pred=y_pred, training=True) * share
+        loss = self.model.compute_loss(y=y, y_pred=y_pred, training=True)
+        return loss * tf.cast(share, loss.dtype)
+
+    def _output_keeping(self, x: tuple, y, share=None):
+        """`_output`, whose backward takes no gradient for the model's inputs: none flows
+        into them. Stopped in the graph, it prunes that work from every backward."""
+        if self.first:
+            x = tf.nest.map_structure(tf.stop_gradient, x)
+        return self._output(x, y, share)
 
     def sources(self, x: tuple, weights: bool, inputs: bool) -> list:
         differentiable = [x[i] for i in self.float_inputs] if inputs and not self.first else []
@@ -199,6 +207,12 @@ class Stage:
         outs = [(_per_example(t), t.dtype) for t in piece.outputs]
         grads = [(_per_example(t), t.dtype) for t in piece.inputs if is_float(t.dtype)]
         return PackedCodec(outs), PackedCodec(grads)
+
+
+def share_tensors(shares: list[float]) -> list[tf.Tensor]:
+    """Microbatches' loss shares as float32 tensors, made in one op: one trace then serves
+    every share, where a Python float is traced into the graph, once per value."""
+    return tf.unstack(tf.constant(shares, tf.float32))
 
 
 def changes_state(piece) -> bool:
