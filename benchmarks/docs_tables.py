@@ -234,14 +234,14 @@ def sizes_table(report: dict) -> str:
 
 def fixed_profile_table(report: dict) -> str:
     """Where each stage's fixed cost per microbatch goes, action by action, for the pipelines
-    with the default backward."""
+    also launched at one example per microbatch."""
     lines = [
         "| workload | global batch | contender | stage | F | B (ZB-H1: BI + BW) | send | "
         "receive | per microbatch | empty compiled call |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for e in report["summary"]:
-        if "fixed_ms_per_action_median" not in e or "recompute" in e["name"]:
+        if "fixed_ms_per_action_median" not in e:
             continue
         for stage, ops in e["fixed_ms_per_action_median"].items():
             backward = sum(ops.get(op, 0.0) for op in ("B", "BI", "BW"))
@@ -254,12 +254,14 @@ def fixed_profile_table(report: dict) -> str:
                 f"{e['call_floor_ms_median']:.2f} |"
             )
     intro = (
-        "Where a microbatch's fixed cost goes, action by action, in milliseconds: each "
-        "action's fixed part (the median over a launch's calibration steps, then over the "
-        "rounds). F and B are the stage's own calls on a 1-example microbatch, timed at "
-        "start-up; a message's fixed part is all its own work, its wait left out. The last "
-        "column is a compiled call that does no work, called as the executor calls a stage "
-        "and timed on rank 0: every F and B pays it before any of its own work."
+        "Where a microbatch's fixed cost goes, action by action, in milliseconds. Each "
+        f"contender also launched at a global batch of M ({report['one_example_steps']} "
+        "steps, one example per microbatch); an action's fixed cost is its own work there "
+        "(the median over the launch's steps after the first, its wait left out, then over "
+        "the rounds), less one example's compute: how much that own work grew per example up "
+        "to the timed launch's microbatch. The last column is a compiled call that does no "
+        "work, called as the executor calls a stage and timed on rank 0: every F and B pays "
+        "it before any of its own work."
     )
     return "\n".join([intro, "", *lines])
 
