@@ -35,10 +35,7 @@ def call_key(args: tuple) -> tuple[list, tuple]:
     """(the tensors in order, a key of every tensor's dtype and shape and every other value):
     what picks a traced function. A numpy value counts as a tensor, as a tf.function takes
     it; `as_traced` makes the arguments a trace takes."""
-    leaves = [  # numpy values are tensors to a tf.function, as Python numbers are not
-        tf.convert_to_tensor(leaf) if isinstance(leaf, np.ndarray | np.generic) else leaf
-        for leaf in tf.nest.flatten(args)
-    ]
+    leaves = [_as_tensor(leaf) for leaf in tf.nest.flatten(args)]
     tensors = [leaf for leaf in leaves if isinstance(leaf, tf.Tensor)]
     key = tuple(  # an eager tensor's shape tuple: its TensorShape costs more to build
         (leaf.dtype, leaf._shape_tuple()) if isinstance(leaf, tf.Tensor) else leaf
@@ -50,12 +47,12 @@ def call_key(args: tuple) -> tuple[list, tuple]:
 def as_traced(args: tuple) -> tuple:
     """The arguments with numpy values as tensors: only a trace needs them packed again,
     which costs more than a small stage's call to do on every one."""
-    return tf.nest.map_structure(
-        lambda leaf: (
-            tf.convert_to_tensor(leaf) if isinstance(leaf, np.ndarray | np.generic) else leaf
-        ),
-        args,
-    )
+    return tf.nest.map_structure(_as_tensor, args)
+
+
+def _as_tensor(leaf):
+    """A numpy value as a tensor, as a tf.function takes it (a Python number is not one)."""
+    return tf.convert_to_tensor(leaf) if isinstance(leaf, np.ndarray | np.generic) else leaf
 
 
 def pack_outputs(structure, values: list):
@@ -123,7 +120,7 @@ class KeptPair:
         self.pairs: dict[tuple, _Pair] = {}  # by the arguments' key
         # by traced function: once shapes relax, arguments of a new shape reuse a trace, and
         # a second pair built on one trace would find the first's outputs added to its graph
-        self.traced: dict[str, _Pair] = {}
+        self.traced: dict[bytes | str, _Pair] = {}
 
     def forward(self, *args) -> tuple[object, Kept]:
         """The function's outputs, and what its backward will need."""
@@ -163,10 +160,9 @@ class KeptPair:
 
     def _pair(self, args: tuple, tensors: list) -> _Pair:
         concrete = self.function.get_concrete_function(*args)
-        name = concrete.name.decode() if isinstance(concrete.name, bytes) else concrete.name
-        if name not in self.traced:
-            self.traced[name] = self._new_pair(concrete, args, tensors)
-        return self.traced[name]
+        if concrete.name not in self.traced:
+            self.traced[concrete.name] = self._new_pair(concrete, args, tensors)
+        return self.traced[concrete.name]
 
     def _new_pair(self, concrete, args: tuple, tensors: list) -> _Pair:
         functions = concrete_function._FirstOrderTapeGradientFunctions(
