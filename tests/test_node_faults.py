@@ -56,6 +56,7 @@ JOB_PROGRAMS = ("python", "ringtrain", "orted", "srun", "slurmstepd", "mpirun", 
 FREEZE = "RINGTRAIN_TEST_CRASH_BEFORE_MANIFEST"
 NODES = 24  # a pair for each of twelve runs: six launches, each partitioned and powered off
 ALL_NODES = tuple(f"node{n}" for n in range(1, NODES + 1))
+STARTING = 4  # runs starting at once in the fault test (see there)
 
 
 def test_a_deadline_adds_the_bytes_at_the_minimum_rate():
@@ -317,18 +318,21 @@ def test_a_partition_and_a_power_loss_end_every_launcher_s_run_and_name_the_lost
     """Each of the six launches runs twice, each run on a pair of nodes of its own: on one
     pair the second node is partitioned, on the other it loses its power, as soon as that run
     trains, without waiting for another run's fault. (Faulting each run the moment it trains
-    keeps runs from training, and taking the two cores, while the other 26 ranks still start.)
-    Each node is healed as soon as its run has ended."""
+    keeps runs from training, and taking the two cores, while other ranks still start.) At
+    most STARTING runs start at once: all twelve at once put 28 ranks' start-up on two cores
+    while the first faults were timed, and in the whole suite their bound was missed by up
+    to 11 s, starved, not hung. Each node is healed as soon as its run has ended."""
     names = [*LAUNCHES, *(name for name, _ in BATCH_LAUNCHES)]
     plan = [(name, kind) for kind in ("partition", "power-off") for name in names]
     runs: list[Run] = []
     try:
-        for k, (name, kind) in enumerate(plan):
-            first, second = f"node{2 * k + 1}", f"node{2 * k + 2}"
-            runs.append(start_run(tmp_path, slurm_env, launcher_env, name, first, second))
-            runs[-1].lost, runs[-1].fault = second, kind
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
+            while len(runs) < len(plan) and sum(r.faulted_at is None for r in runs) < STARTING:
+                (name, kind), k = plan[len(runs)], len(runs)
+                first, second = f"node{2 * k + 1}", f"node{2 * k + 2}"
+                runs.append(start_run(tmp_path, slurm_env, launcher_env, name, first, second))
+                runs[-1].lost, runs[-1].fault = second, kind
             for r in runs:
                 if r.faulted_at is None:
                     assert r.process is None or r.running(), f"{r.name} ended: {r.text()[-2000:]}"
@@ -337,10 +341,10 @@ def test_a_partition_and_a_power_loss_end_every_launcher_s_run_and_name_the_lost
                         r.injector = fault_started(r.lost, r.fault)
             note_ends(runs)
             heal_ended(runs)
-            if all(r.ended_after is not None for r in runs):
+            if len(runs) == len(plan) and all(r.ended_after is not None for r in runs):
                 break
             time.sleep(0.5)
-        assert all(r.faulted_at is not None for r in runs), [
+        assert len(runs) == len(plan) and all(r.faulted_at is not None for r in runs), [
             (r.name, r.text()[-1500:]) for r in runs if r.faulted_at is None
         ]
         deadline = time.monotonic() + 120
