@@ -108,6 +108,9 @@ def train(
             )
         # before the engine allocates gradients and slots
         check_memory(model, data, cfg, me, gathers, asked)
+        waiting = pending(model)
+        if waiting is not None and not runs_stages(cfg):  # built weightless for the check
+            waiting.keep_only(set())
     hooks = None
     if callbacks:
         hooks = EpochCallbacks(callbacks, model, me.rank, -(-total // per_epoch), per_epoch)

@@ -110,7 +110,7 @@ def train_from_args(args: argparse.Namespace, callbacks: Sequence = ()) -> tuple
 
     runtime.init(uses_horovod(cfg))  # before the first TensorFlow op: pools are set once
     with alike_on_every_rank(me.rank):
-        model = builtin(cfg, data.input_shape, data.n_classes, runs_stages(cfg))
+        model = builtin(cfg, data.input_shape, data.n_classes, _weightless(cfg, me))
     return cfg, train(model, data, cfg, callbacks=callbacks)
 
 
@@ -138,8 +138,21 @@ def _train_user_model(
 
     runtime.init(uses_horovod(cfg))  # before the user's model runs a TensorFlow op
     with alike_on_every_rank(me.rank):  # the same files on every node: the same verdict
-        model = build_user_model(cfg.model, args.model_arg, cfg.seed, runs_stages(cfg))
+        model = build_user_model(cfg.model, args.model_arg, cfg.seed, _weightless(cfg, me))
     return train(model, data, cfg, typed_flags(args), callbacks)
+
+
+def _weightless(cfg: TrainConfig, me) -> bool:
+    """Whether the model is built without its weights' values: on a pipeline rank (it makes
+    its own stages' only), and wherever a memory limit is checked, so that a model whose
+    weights alone would not fit is refused before they are made (`api.train` makes them once
+    the check has passed)."""
+    from ringtrain.memory_limit import rank_limit
+
+    if runs_stages(cfg):
+        return True
+    limit = rank_limit(cfg.memory_per_rank, me.local_size)
+    return limit is not None and not cfg.ignore_memory_check
 
 
 def _finished(cfg: TrainConfig, result) -> int:

@@ -9,8 +9,9 @@ import os
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
-from conftest import BIN, ringtrain, run
+from conftest import BIN, load_npz, ringtrain, run
 from test_bad_input import said_once, train_under_mpirun
 from test_plan import _calibration_file
 
@@ -217,6 +218,27 @@ def test_a_run_predicted_over_its_memory_is_refused_in_one_line_and_forced_it_tr
     assert "--ignore-memory-check: memory per rank is not checked" in forced.stderr + forced.stdout
 
 
+@pytest.mark.parametrize("strategy, ranks", [("single", None), ("data", 2)])
+def test_a_run_the_check_lets_through_trains_as_without_a_limit(wide, tmp_path, strategy, ranks):
+    """Under a limit the model is built without its weights' values and checked first, then
+    made whole: its initial and trained weights are those of a run with no limit, bit for
+    bit (a user's model with Adam, whose optimizer's variables wait for their values too)."""
+    weights = {}
+    for limited in (False, True):
+        flags = ["--strategy", strategy, *wide, "--model-arg", "units=64"]
+        flags += ["--memory-per-rank", "20G"] if limited else []
+        out, initial = tmp_path / f"{limited}.npz", tmp_path / f"{limited}-initial.npz"
+        paths = ["--weights-out", str(out), "--initial-weights-out", str(initial)]
+        done = ringtrain("train", *flags, *paths, ranks=ranks)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert ("within its limit of 20.00 GiB" in done.stdout + done.stderr) == limited
+        weights[limited] = (load_npz(initial), load_npz(out))
+    for unlimited, limited in zip(weights[False], weights[True], strict=True):
+        assert unlimited.keys() == limited.keys()
+        for name, value in unlimited.items():
+            np.testing.assert_array_equal(limited[name], value, err_msg=name)
+
+
 def test_every_rank_refuses_alike_and_rank_0_says_it_once(wide):
     done = train_under_mpirun("--strategy", "data", *wide, "--memory-per-rank", LIMIT)
     said_once(done, EXIT_USAGE, "(largest: optimizer state ")
@@ -237,12 +259,16 @@ def test_a_memory_cgroup_limit_refuses_without_the_flag_and_plan_reads_it_alike(
         set_limit(group, 700 * MIB)
         cli = [str(BIN / "ringtrain"), "train", "--strategy", "single", *wide]
         done = run([*join(group), *cli])
+        # Its weights alone (539 MiB) do not fit beside a rank's baseline: built whole before
+        # the check, the cap killed it (exit 137); it is refused before its weights are made.
+        bigger = run([*join(group), *cli, "--model-arg", "units=8192"])
         calibration = ["--calibration", str(_calibration_file(tmp_path)), "--optimizer", "sgd"]
         cli = [str(BIN / "ringtrain"), "plan", *calibration, "--ranks-per-node", "2"]
         planned = run([*join(group), *cli])
     finally:
         remove(folder)
     said_once(done, EXIT_USAGE, "but the limit is 700.0 MiB (cgroup)")
+    said_once(bigger, EXIT_USAGE, "but the limit is 700.0 MiB (cgroup)")
     assert planned.returncode == 0, planned.stderr[-2000:]
     assert "memory per rank: 350 MiB (cgroup)" in planned.stdout
 
