@@ -61,7 +61,9 @@ def fail(study, trial_id: int, number: int, reason: str) -> None:
 def fail_and_retry(study, trial, reason: str, always: bool = False) -> None:
     """Record `trial` as failed with `reason` and queue a retry with its parameters, which
     continues its folder: once after a crash (unless it is a retry already), `always` after a
-    stop signal (a preempted trial did nothing wrong, and its checkpoint is fresh)."""
+    stop signal (a preempted trial did nothing wrong, and its checkpoint is fresh). A trial
+    killed while its parameters were drawn has only some: its retry keeps those and draws the
+    rest."""
     fail(study, trial._trial_id, trial.number, reason)
     if always or RETRY_OF not in trial.user_attrs:
         retry = {RETRY_OF: original_number(trial)}
