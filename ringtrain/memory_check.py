@@ -59,16 +59,25 @@ GIB = 2**30
 # What a rank holds before its model that the kernel cannot take back: TensorFlow, MPI,
 # Horovod and ringtrain loaded and a step compiled. Measured here as the peak anonymous memory
 # (RssAnon) of each rank of `mpirun -np 2 ringtrain train --model mlp` (whose model is a tenth
-# of a MiB): 0.21-0.22 GiB; the transformer's ranks, 0.25 GiB. Their peak resident set is
+# of a MiB): 0.21-0.22 GiB; the transformer's ranks, 0.25 GiB; a pipeline rank of 100 Dense
+# layers before its weights, 0.26 GiB. Their peak resident set is
 # 0.33 GiB more: the shared libraries' pages, which a memory cgroup at its limit reclaims
 # (and reads again) rather than kill for, so no limit is predicted against them.
-BASELINE_BYTES = int(0.23 * GIB)
+BASELINE_BYTES = int(0.25 * GIB)
 CONSUMERS = ("weights", "gradients", "optimizer state", "activations in flight")
 HOROVOD_FUSION_BYTES = 64 * 2**20  # Horovod's default HOROVOD_FUSION_THRESHOLD
 # A stage's microbatches in flight hold more than its layers' outputs: the executor keeps each
 # one's input and the compiled forward's saved tensors for its backward. Measured here: 1.3
 # times the layers' outputs, on a chain of wide activations.
 STAGE_ACTIVATION_FACTOR = 1.5
+# Measured here on 100, 143 and 39 Dense layers (of 1024, 1024, 2048) under Adam in 2 stages:
+# beside its weights, gradient sums, slots, two of its largest weight and its step's graph, a
+# stage's peak held up to 0.4 of its weights more.
+STAGE_STEP_SHARE = 0.4
+# The compiled step's graph, per trainable variable and per (1 + 2 x slots): under Adam, 0.6
+# MiB a variable (100 Dense layers of 256 in 2 stages: the first step added 60 MiB to a
+# stage), under SGD 0.07 MiB.
+STEP_GRAPH_BYTES = int(0.12 * 2**20)
 MICROBATCH_COUNTS = (8, 4, 2)  # tried for a fitting pipeline, most first (smaller, less bubble)
 
 
@@ -80,6 +89,7 @@ class Unit:
     weights: float
     trainable: float
     largest: float  # the largest trainable weight
+    variables: int  # how many trainable weights
     inputs: float
     made: float
 
@@ -91,6 +101,7 @@ class ModelFacts:
     weights: float
     trainable: float
     largest: float  # the largest trainable weight
+    variables: int  # how many trainable weights
     slots: float
     activations: float  # words per example the whole model's tape holds
     units: list[Unit]  # none for a subclassed model, which no pipeline can cut
@@ -188,7 +199,8 @@ def rank_peaks(
         model = model_bytes(
             facts.weights, facts.trainable, facts.slots, facts.activations * share, shards
         )
-        around = _around(facts, facts.trainable, facts.largest, world_size, gathers)
+        mine = Unit(facts.weights, facts.trainable, facts.largest, facts.variables, 0, 0)
+        around = _around(facts, mine, world_size, gathers)
         return [{**model, **around, **fixed}]
     pp_size = pp_size_of(cfg, world_size)
     dp_size = world_size // pp_size
@@ -212,39 +224,40 @@ def rank_peaks(
             stage = model_bytes(weights, trainable, facts.slots, activations, shards)
             summed = {k: summed[k] + stage[k] for k in CONSUMERS}
         mine = [u for units in held.values() for u in units]
-        trainable = sum(u.trainable for u in mine)
-        largest = max((u.largest for u in mine), default=0.0)
-        at_end = gathers and rank == 0
-        around = _around(facts, trainable, largest, dp_size, at_end, stages=True)
+        rank_unit = Unit(
+            sum(u.weights for u in mine),
+            sum(u.trainable for u in mine),
+            max((u.largest for u in mine), default=0.0),
+            sum(u.variables for u in mine),
+            0,
+            0,
+        )
+        around = _around(facts, rank_unit, dp_size, gathers and rank == 0, stages=True)
         ranks.append({**summed, **around, **fixed})
     return ranks
 
 
 def _around(
-    facts: ModelFacts,
-    trainable: float,
-    largest: float,
-    replicas: int,
-    gathers: bool,
-    stages: bool = False,
+    facts: ModelFacts, mine: Unit, replicas: int, gathers: bool, stages: bool = False
 ) -> dict[str, int]:
     """What a training rank holds beyond plan's four consumers, in bytes, as measured here
-    (peak anonymous memory of tall MLPs under SGD and Adam on 1 and 2 ranks; without these a
-    pipeline stage was under-predicted by 1.6 copies of its weights): rank 0's copy of the
-    whole model's weights where it copies them out at the end; where replicas average, 2.5
-    copies of the trainable weights beside the gradients (Horovod's outputs and the averaged
-    step's) and Horovod's fusion buffer; and the optimizer step's temporaries. One process's
-    compiled step frees each gradient once its update has run, so two of its largest weight
-    cover them; a stage adds each microbatch's gradients into their sums as they are made, but
-    its step starts from all of the sums at once and TensorFlow updates its variables side by
-    side: 1 + slots/2 copies of its weights, and two more of its largest weight (the old and
-    the new sum of one variable's gradients, as a single large variable shows)."""
+    (peak anonymous memory of tall MLPs under SGD and Adam on 1 and 2 ranks), for the weights
+    it trains (`mine`): rank 0's copy of the whole model's weights where it copies them out at
+    the end; where replicas average, 2.5 copies of the trainable weights beside the gradients
+    (Horovod's outputs and the averaged step's) and Horovod's fusion buffer; and the optimizer
+    step's temporaries. Those are two of its largest weight (a compiled step frees each
+    gradient once its update has run; a stage updates one variable after another,
+    optim.one_variable_at_a_time), a quarter of a stage's weights more (what its compiled
+    backward and step hold beside its gradient sums), and the compiled step's graph, which
+    grows with its ops per variable (STEP_GRAPH_BYTES)."""
     fusion = int(os.environ.get("HOROVOD_FUSION_THRESHOLD", HOROVOD_FUSION_BYTES))
-    temporaries = 2 * largest + ((1 + facts.slots / 2) * trainable if stages else 0)
+    trainable = mine.trainable
+    graph = mine.variables * STEP_GRAPH_BYTES * (1 + facts.slots * 2)
+    temporaries = (2 * mine.largest + (STAGE_STEP_SHARE * trainable if stages else 0)) * FLOAT_BYTES
     return {
         "weights gathered at the end": int(facts.weights * FLOAT_BYTES) if gathers else 0,
         "gradient averaging": int(2.5 * trainable * FLOAT_BYTES) + fusion if replicas > 1 else 0,
-        "step temporaries": int(temporaries * FLOAT_BYTES),
+        "step temporaries": int(temporaries + graph),
     }
 
 
@@ -322,6 +335,7 @@ def model_facts(model, data, batch: int) -> ModelFacts:
         _words(model.weights),
         _words(model.trainable_weights),
         max((_words([v]) for v in model.trainable_weights), default=0.0),
+        len(model.trainable_weights),
         optimizer_slots(model.optimizer),
         activations,
         units,
@@ -346,6 +360,7 @@ def _units(split, crossing: list[float]) -> list[Unit]:
                 _words(v for layer in layers for v in layer.weights),
                 _words(trainable),
                 max((_words([v]) for v in trainable), default=0.0),
+                len(trainable),
                 crossing[i],
                 made,
             )

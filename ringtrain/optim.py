@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import weakref
+
 from ringtrain import tensorflow_loader  # noqa: F401  (before Keras: keeps scikit-learn out)
 
 # isort: split
 import keras
+import tensorflow as tf
 
 from ringtrain.config import TrainConfig
 
@@ -52,3 +55,24 @@ def learning_rate(
         start = target / dp_size
         return start + (target - start) * epoch_progress / cfg.warmup_epochs
     return target
+
+
+def one_variable_at_a_time(optimizer: keras.optimizers.Optimizer) -> None:
+    """Make a compiled step update its variables one after another. Side by side, TensorFlow
+    starts every variable's update at once and holds all of their temporaries together: a
+    pipeline stage, whose step starts from all of its gradient sums, peaked at 1.35 times its
+    weights above them under Adam. The values are the same, in the same order per variable."""
+    update = optimizer.update_step
+    previous = weakref.WeakKeyDictionary()  # graph: the marker the next update waits on
+
+    def chained(gradient, variable, learning_rate):
+        if tf.executing_eagerly():  # eager ops run one at a time already
+            return update(gradient, variable, learning_rate)
+        graph = tf.compat.v1.get_default_graph()
+        made = len(graph.get_operations())
+        waits = [previous[graph]] if graph in previous else []
+        with tf.control_dependencies(waits):
+            update(gradient, variable, learning_rate)
+        previous[graph] = tf.group(*graph.get_operations()[made:])
+
+    optimizer.update_step = chained

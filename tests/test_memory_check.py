@@ -19,6 +19,7 @@ from ringtrain.config import TrainConfig
 from ringtrain.errors import EXIT_USAGE
 from ringtrain.memory_check import (
     BASELINE_BYTES,
+    STEP_GRAPH_BYTES,
     ModelFacts,
     Unit,
     fitting,
@@ -113,9 +114,10 @@ FACTS = ModelFacts(
     weights=2e6,
     trainable=2e6,
     largest=1e6,
+    variables=2,
     slots=2.0,
     activations=10 + 200,
-    units=[Unit(1e6, 1e6, 1e6, 10, 100), Unit(1e6, 1e6, 1e6, 10, 100)],
+    units=[Unit(1e6, 1e6, 1e6, 1, 10, 100), Unit(1e6, 1e6, 1e6, 1, 10, 100)],
     split=None,
     input_bytes=1000,
 )
@@ -138,7 +140,8 @@ def test_one_process_holds_the_whole_model_and_its_batch():
     assert need["weights"] == need["gradients"] == 8e6 and need["optimizer state"] == 16e6
     assert need["activations in flight"] == 210 * 4 * 64
     assert need["weights gathered at the end"] == 8e6 and need["gradient averaging"] == 0
-    assert need["step temporaries"] == 8e6
+    # two of the largest weight, and the compiled step's graph for Adam's 2 variables
+    assert need["step temporaries"] == 8e6 + 2 * STEP_GRAPH_BYTES * 5
     assert need["baseline"] == BASELINE_BYTES and need["input buffers"] == 1000
 
 
@@ -157,8 +160,8 @@ def test_a_pipeline_stage_holds_its_share_and_its_microbatches_in_flight():
     assert need["weights"] == 4e6 and need["optimizer state"] == 8e6
     assert need["activations in flight"] == 1.5 * 110 * 4 * 16 * 2  # the executor's tape
     assert need["weights gathered at the end"] == 8e6  # rank 0 gathers every stage's
-    # microbatch gradients and Adam's step, and the old and new sums of its largest weight
-    assert need["step temporaries"] == (1 + 2 / 2) * 4e6 + 2 * 4e6
+    # two of its largest weight, 0.4 of its weights, its one variable's step graph
+    assert need["step temporaries"] == 2 * 4e6 + 0.4 * 4e6 + STEP_GRAPH_BYTES * 5
     recomputed = rank_peak(FACTS, TrainConfig(**{**cfg.__dict__, "recompute": True}), 2)
     assert recomputed["activations in flight"] == 1.5 * (10 * 2 + 100) * 4 * 16
     # each pipeline rank is predicted (what a run that fits lists), the fullest is checked

@@ -32,7 +32,7 @@ from ringtrain.dataparallel.collectives import average_gradients
 from ringtrain.evaluate import CHUNK
 from ringtrain.gradients import scaled_gradient
 from ringtrain.keras_model.source import RESIDENT_BEFORE_MODEL
-from ringtrain.optim import LearningRate
+from ringtrain.optim import LearningRate, one_variable_at_a_time
 from ringtrain.pipeline import report
 from ringtrain.pipeline.calibrate import (
     measure_link,
@@ -324,6 +324,7 @@ class PipelineEngine(Checkpointable):
         """The optimizer that applies this rank's averaged gradients, built: here the compiled
         one, with a slot for each of its stages' weights."""
         self.optimizer.build(self.variables)
+        one_variable_at_a_time(self.optimizer)
         return self.optimizer
 
     def _apply_gradients(self, grads: list) -> None:
