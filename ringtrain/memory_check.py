@@ -70,10 +70,6 @@ HOROVOD_FUSION_BYTES = 64 * 2**20  # Horovod's default HOROVOD_FUSION_THRESHOLD
 # one's input and the compiled forward's saved tensors for its backward. Measured here: 1.3
 # times the layers' outputs, on a chain of wide activations.
 STAGE_ACTIVATION_FACTOR = 1.5
-# Measured here on 100, 143 and 39 Dense layers (of 1024, 1024, 2048) under Adam in 2 stages:
-# beside its weights, gradient sums, slots, two of its largest weight and its step's graph, a
-# stage's peak held up to 0.4 of its weights more.
-STAGE_STEP_SHARE = 0.4
 # The compiled step's graph, per trainable variable and per (1 + 2 x slots): under Adam, 0.6
 # MiB a variable (100 Dense layers of 256 in 2 stages: the first step added 60 MiB to a
 # stage), under SGD 0.07 MiB.
@@ -245,15 +241,19 @@ def _around(
     it trains (`mine`): rank 0's copy of the whole model's weights where it copies them out at
     the end; where replicas average, 2.5 copies of the trainable weights beside the gradients
     (Horovod's outputs and the averaged step's) and Horovod's fusion buffer; and the optimizer
-    step's temporaries. Those are two of its largest weight (a compiled step frees each
-    gradient once its update has run; a stage updates one variable after another,
-    optim.one_variable_at_a_time), a quarter of a stage's weights more (what its compiled
-    backward and step hold beside its gradient sums), and the compiled step's graph, which
-    grows with its ops per variable (STEP_GRAPH_BYTES)."""
+    step's temporaries: two of its largest weight (a compiled step frees each gradient once
+    its update has run; a stage updates one variable after another,
+    optim.one_variable_at_a_time), and the compiled step's graph, which grows with its ops per
+    variable (STEP_GRAPH_BYTES). A stage adds 1 + slots/2 copies of its weights: on tall MLPs
+    its step's temporaries and what its compiled backward holds beside its sums came to less
+    than half of that, but a BERT-large encoder's stages held that much more, in activations
+    its layers keep inside them (69 MiB a microbatch of 64 tokens on 6 layers, where their
+    outputs count 2 MiB), which the graph's layer outputs do not show."""
     fusion = int(os.environ.get("HOROVOD_FUSION_THRESHOLD", HOROVOD_FUSION_BYTES))
     trainable = mine.trainable
     graph = mine.variables * STEP_GRAPH_BYTES * (1 + facts.slots * 2)
-    temporaries = (2 * mine.largest + (STAGE_STEP_SHARE * trainable if stages else 0)) * FLOAT_BYTES
+    stage = (1 + facts.slots / 2) * trainable if stages else 0
+    temporaries = (2 * mine.largest + stage) * FLOAT_BYTES
     return {
         "weights gathered at the end": int(facts.weights * FLOAT_BYTES) if gathers else 0,
         "gradient averaging": int(2.5 * trainable * FLOAT_BYTES) + fusion if replicas > 1 else 0,
