@@ -66,20 +66,24 @@ def inter_op_threads(threads: int, with_horovod: bool) -> int:
 
 def tune_environment(local_size: int) -> None:
     """Defaults for a rank without a core to spare (bound to one core, or ranks filling the
-    node), where MPI's waiting takes the compute's core; the environment overrides each."""
+    node), where MPI's waiting takes the compute's core; the environment overrides each.
+    Horovod's thread goes below the compute only on a core the rank owns: unbound, it would
+    also wait behind every other process on the node (seen: hybrid ranks of twelve jobs on two
+    cores silent past a 20 s --comm-timeout, their heartbeats too)."""
     spare_core = cores_per_rank(local_size) >= 2
     if not spare_core:
         os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
     os.environ.setdefault("HOROVOD_CYCLE_TIME", default_cycle_time(spare_core))
+    below_compute = not spare_core and is_bound()
+    os.environ.setdefault("RINGTRAIN_HOROVOD_NICE", "19" if below_compute else "0")
 
 
 def init_horovod(hvd, comm, process_sets: list | None = None) -> None:
     """hvd.init on `comm`, its background thread at the niceness RINGTRAIN_HOROVOD_NICE says
-    (0 by default). Below the compute on a rank's only core, every collective waited for the
-    core to come back to Horovod's thread: on 2 ranks bound to a core each, with MPI yielding,
-    a data-parallel step of the CNN took 5.8-8.2 ms at 19 against 4.3-4.5 at 0, the
-    transformer's 12.3-15.1 against 9.9-11.2, and the heavy CNN's was level (40-42 ms). (An
-    earlier build, before MPI yielded, saw the thread at 0 take half the core.)"""
+    (19 where a bound rank has no core to spare). That thread waits in MPI between coordination
+    rounds, and at the compute's priority it took about half of a rank's only core: a step of
+    `bench dp`'s heavy CNN here took 74.5 ms against 36.5 ms of compute, and 39.9 against
+    37.6 with the thread at 19. The thread still runs whenever the compute waits for it."""
     nice = horovod_nice()
     before = thread_ids()
     hvd.init(comm=comm, process_sets=process_sets) if process_sets else hvd.init(comm=comm)
@@ -96,14 +100,13 @@ def horovod_nice() -> int:
 
 
 def default_cycle_time(spare_core: bool) -> str:
-    """Milliseconds between Horovod's coordination rounds. A collective waits for the next
-    round, and a short cycle takes some of the compute's core: on 2 ranks bound to a core
-    each, with MPI yielding and Horovod's thread at nice 0, a data-parallel step of the CNN
-    took 4.3-4.5 ms at 1 ms and 3.9-4.1 at 0.25, the heavy CNN's 40-42 and 37-38, the
-    transformer's 9.9-11.2 and 9.1-9.5, and the wide MLP's was level within its noise. A step
-    that waits on two rounds in turn (--shard-optimizer: a reduce-scatter, then an allgather)
-    gains most. With a core to spare, 0.1 ms."""
-    return "0.1" if spare_core else "0.25"
+    """Milliseconds between Horovod's coordination rounds. Without a spare core a short cycle
+    takes the compute's core, and a long one delays every allreduce by up to a cycle: with
+    MPI yielding, a plain Horovod step of `bench dp`'s heavy CNN here cost 2.1 ms over its
+    compute at 0.5 ms, 2.1 at 1, 3.5 at 2 and 5.9 at 5 across two one-core nodes (-0.7, 1.7
+    and 5.4 at 1, 2 and 5 on one host). With a core to spare, 0.1 ms cuts a small
+    allreduce's latency further."""
+    return "0.1" if spare_core else "1"
 
 
 _launched_by: list[str] = []  # what started the job, as seen before ringtrain started MPI

@@ -129,15 +129,15 @@ def test_quiet_holds_back_only_absl_notices_below_the_level():
 
 
 @pytest.mark.parametrize(
-    "mask, local_size, threads, cycle, mpi_yields",
+    "mask, local_size, threads, cycle, mpi_yields, horovod_nice",
     [
-        ({0}, 1, 1, "0.25", "1"),  # bound to one core (a one-core node): one thread, not two
-        ({0, 1}, 1, 2, "0.1", None),  # unbound and alone: both cores, one to spare
-        ({0, 1}, 2, 1, "0.25", "1"),  # unbound, two ranks on the node: a core each, shared
+        ({0}, 1, 1, "1", "1", "19"),  # bound to one core (a one-core node): one thread, not two
+        ({0, 1}, 1, 2, "0.1", None, "0"),  # unbound and alone: both cores, one to spare
+        ({0, 1}, 2, 1, "1", "1", "0"),  # unbound, two ranks on the node: a core each, shared
     ],
 )
 def test_threads_cycle_and_yield_follow_the_cores_a_rank_may_run_on(
-    monkeypatch, mask, local_size, threads, cycle, mpi_yields
+    monkeypatch, mask, local_size, threads, cycle, mpi_yields, horovod_nice
 ):
     for name in (
         "RINGTRAIN_THREADS",
@@ -153,7 +153,8 @@ def test_threads_cycle_and_yield_follow_the_cores_a_rank_may_run_on(
     runtime.tune_environment(local_size)
     assert runtime.os.environ["HOROVOD_CYCLE_TIME"] == cycle
     assert runtime.os.environ.get("OMPI_MCA_mpi_yield_when_idle") == mpi_yields
-    assert runtime.horovod_nice() == 0  # Horovod's thread at the compute's priority
+    assert runtime.os.environ["RINGTRAIN_HOROVOD_NICE"] == horovod_nice
+    assert runtime.horovod_nice() == int(horovod_nice)
 
 
 @pytest.mark.parametrize("value", ["high", "-5", "20"])
