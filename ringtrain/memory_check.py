@@ -195,8 +195,8 @@ def rank_peaks(
         model = model_bytes(
             facts.weights, facts.trainable, facts.slots, facts.activations * share, shards
         )
-        mine = Unit(facts.weights, facts.trainable, facts.largest, facts.variables, 0, 0)
-        around = _around(facts, mine, world_size, gathers)
+        whole = (facts.trainable, facts.largest, facts.variables)
+        around = _around(facts, *whole, world_size, gathers)
         return [{**model, **around, **fixed}]
     pp_size = pp_size_of(cfg, world_size)
     dp_size = world_size // pp_size
@@ -220,25 +220,27 @@ def rank_peaks(
             stage = model_bytes(weights, trainable, facts.slots, activations, shards)
             summed = {k: summed[k] + stage[k] for k in CONSUMERS}
         mine = [u for units in held.values() for u in units]
-        rank_unit = Unit(
-            sum(u.weights for u in mine),
-            sum(u.trainable for u in mine),
-            max((u.largest for u in mine), default=0.0),
-            sum(u.variables for u in mine),
-            0,
-            0,
-        )
-        around = _around(facts, rank_unit, dp_size, gathers and rank == 0, stages=True)
+        trainable = sum(u.trainable for u in mine)
+        largest = max((u.largest for u in mine), default=0.0)
+        variables = sum(u.variables for u in mine)
+        at_end = gathers and rank == 0
+        around = _around(facts, trainable, largest, variables, dp_size, at_end, stages=True)
         ranks.append({**summed, **around, **fixed})
     return ranks
 
 
 def _around(
-    facts: ModelFacts, mine: Unit, replicas: int, gathers: bool, stages: bool = False
+    facts: ModelFacts,
+    trainable: float,
+    largest: float,
+    variables: int,
+    replicas: int,
+    gathers: bool,
+    stages: bool = False,
 ) -> dict[str, int]:
     """What a training rank holds beyond plan's four consumers, in bytes, as measured here
     (peak anonymous memory of tall MLPs under SGD and Adam on 1 and 2 ranks), for the weights
-    it trains (`mine`): rank 0's copy of the whole model's weights where it copies them out at
+    it trains: rank 0's copy of the whole model's weights where it copies them out at
     the end; where replicas average, 2.5 copies of the trainable weights beside the gradients
     (Horovod's outputs and the averaged step's) and Horovod's fusion buffer; and the optimizer
     step's temporaries: two of its largest weight (a compiled step frees each gradient once
@@ -250,10 +252,9 @@ def _around(
     its layers keep inside them (69 MiB a microbatch of 64 tokens on 6 layers, where their
     outputs count 2 MiB), which the graph's layer outputs do not show."""
     fusion = int(os.environ.get("HOROVOD_FUSION_THRESHOLD", HOROVOD_FUSION_BYTES))
-    trainable = mine.trainable
-    graph = mine.variables * STEP_GRAPH_BYTES * (1 + facts.slots * 2)
+    graph = variables * STEP_GRAPH_BYTES * (1 + facts.slots * 2)
     stage = (1 + facts.slots / 2) * trainable if stages else 0
-    temporaries = (2 * mine.largest + stage) * FLOAT_BYTES
+    temporaries = (2 * largest + stage) * FLOAT_BYTES
     return {
         "weights gathered at the end": int(facts.weights * FLOAT_BYTES) if gathers else 0,
         "gradient averaging": int(2.5 * trainable * FLOAT_BYTES) + fusion if replicas > 1 else 0,

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import weakref
 
-from ringtrain import tensorflow_loader  # noqa: F401  (before Keras: keeps scikit-learn out)
+from ringtrain.tensorflow_loader import tf  # before Keras: keeps scikit-learn out of it
 
 # isort: split
 import keras
-import tensorflow as tf
 
 from ringtrain.config import TrainConfig
 
